@@ -1,0 +1,68 @@
+# kvstrata — every set-up step lives here (and in mk/*.mk), so a fresh machine needs only
+# `make demo` and `make test`.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+KVSTRATA_CACHE ?= $(HOME)/.cache/kvstrata
+export KVSTRATA_CACHE
+VLLM_VENV ?= $(KVSTRATA_CACHE)/vllm-0.32.0
+export VLLM_VENV
+
+.PHONY: help venv vllm lint fmt crds crds-check test test-unit test-integration test-e2e demo plan clean
+
+help:
+	@echo "make demo   - the whole stack on the embedded local cluster"
+	@echo "make test   - unit + integration + e2e tests"
+	@echo "make plan   - print the plans of examples/"
+	@echo "make crds   - regenerate crds/ and the chart's CRD from the pydantic models"
+	@echo "make lint   - ruff"
+
+$(VENV)/.ok: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --disable-pip-version-check -q --upgrade pip==25.3
+	$(PY) -m pip install --disable-pip-version-check -q -e '.[dev]'
+	touch $@
+
+venv: $(VENV)/.ok
+
+# vLLM (CPU build) in its own cached venv: see scripts/install-vllm.sh for why.
+vllm: $(VLLM_VENV)/.ok
+$(VLLM_VENV)/.ok:
+	bash scripts/install-vllm.sh
+
+lint: venv
+	$(VENV)/bin/ruff check operator tests e2e
+	$(VENV)/bin/ruff format --check operator tests e2e
+
+fmt: venv
+	$(VENV)/bin/ruff check --fix operator tests e2e
+	$(VENV)/bin/ruff format operator tests e2e
+
+crds: venv
+	$(PY) -m kvstrata.api.crd --write
+
+plan: venv
+	$(VENV)/bin/kvstrata plan examples/
+
+test-unit: venv
+	$(VENV)/bin/pytest -q tests/unit
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache
+
+include $(wildcard mk/*.mk)
+
+# `make test` = lint + CRD freshness + unit + integration (real kube-apiserver) + e2e (real vLLM).
+# It builds or reuses the cached control plane and vLLM venv first, so a fresh machine needs nothing else.
+test: venv vllm cluster-bin
+	$(MAKE) lint
+	$(VENV)/bin/pytest tests e2e
+
+test-integration: venv vllm cluster-bin
+	$(VENV)/bin/pytest -q tests/integration
+
+test-e2e: venv vllm cluster-bin
+	$(VENV)/bin/pytest -q e2e

@@ -1,0 +1,73 @@
+"""The router's one typed settings object.
+
+The operator renders it as `router.json` in the ConfigMap `<name>-router` (key `router.json`); local runs
+build it from flags. Field names are camelCase on the wire so the ConfigMap reads like the CRD.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+Policy = Literal["kv-aware", "prefix-hash", "least-load", "round-robin"]
+Medium = Literal["GPU", "CPU", "STORAGE"]
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+class StaticEndpoint(_Wire):
+    """An engine the router reaches without Kubernetes discovery (local runs, tests, benchmarks)."""
+
+    url: str = Field(description="Base URL of the engine's OpenAI server, e.g. http://127.0.0.1:8001")
+    kv_events: str | None = Field(None, description="ZMQ PUB endpoint, e.g. tcp://127.0.0.1:5557")
+    kv_replay: str | None = Field(None, description="ZMQ ROUTER replay endpoint, e.g. tcp://127.0.0.1:5558")
+
+
+class Discovery(_Wire):
+    """Where engines come from: the engine Service's EndpointSlices, or a static list."""
+
+    namespace: str | None = None
+    service: str | None = Field(None, description="Headless engine Service whose EndpointSlices are watched")
+    engine_port: int = 8000
+    kv_events_port: int = 5557
+    kv_replay_port: int = 5558
+    static: list[StaticEndpoint] = Field(default_factory=list)
+
+
+class Weights(_Wire):
+    """Picker weights: score = prefix*prefix_score + load*load_score (each scorer in [0, 1])."""
+
+    prefix: float = Field(1.0, ge=0)
+    load: float = Field(0.5, ge=0)
+    kv_usage: float = Field(0.2, ge=0)
+
+
+class TierWeights(_Wire):
+    """Credit for a cached block by where it lives: a GPU hit saves the most prefill time."""
+
+    gpu: float = Field(1.0, ge=0, alias="GPU")
+    cpu: float = Field(0.8, ge=0, alias="CPU")
+    storage: float = Field(0.5, ge=0, alias="STORAGE")
+
+
+class RouterSettings(_Wire):
+    model: str = Field(description="Served model name engines answer to")
+    tokenizer: str | None = Field(None, description="Directory with tokenizer.json (+ tokenizer_config.json)")
+    block_size: int = Field(128, gt=0, description="Engine --block-size; KV events and hashes use it")
+    hash_algo: Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"] = "sha256"
+    kv_events_topic: str = "kv-events"
+    policy: Policy = "kv-aware"
+    weights: Weights = Field(default_factory=Weights)
+    tier_weights: TierWeights = Field(default_factory=TierWeights)
+    bounded_load_factor: float = Field(1.5, ge=1.0, description="No endpoint gets more than this × mean in-flight")
+    session_header: str | None = Field(None, description="Optional header for session affinity, e.g. x-session-id")
+    prediction_ttl_seconds: float = Field(5.0, gt=0)
+    max_index_blocks: int = Field(2_000_000, gt=0, description="Bound on indexed (endpoint, block) entries")
+    max_retries: int = Field(2, ge=0, description="Other endpoints tried on connect error/5xx before first byte")
+    upstream_timeout_seconds: float = Field(600.0, gt=0)
+    connect_timeout_seconds: float = Field(3.0, gt=0)
+    discovery: Discovery = Field(default_factory=Discovery)
