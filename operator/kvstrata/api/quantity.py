@@ -1,0 +1,54 @@
+"""Kubernetes Quantity as a typed API field: accepted as `64Gi`, `500G`, `1.5Ti` or a plain byte count.
+
+Sizes in the API are Quantities, never bare strings with units in a comment (production-stack's mistake):
+the CRD carries `x-kubernetes-int-or-string` plus a pattern, so `kubectl apply` rejects `64 GB` at once.
+"""
+
+from __future__ import annotations
+
+from decimal import Decimal, InvalidOperation
+from typing import Annotated, Any
+
+from kubernetes.utils.quantity import parse_quantity
+from pydantic import BeforeValidator, PlainSerializer, WithJsonSchema
+
+GIB = 1 << 30
+
+# The apiserver's own Quantity grammar, restricted to non-negative values.
+QUANTITY_PATTERN = r"^(\+)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?[0-9]+))?$"
+
+
+def quantity_bytes(value: str | int) -> int:
+    """Bytes in a Quantity, rounded up (a fractional byte still needs a byte)."""
+    try:
+        amount = parse_quantity(value)
+    except (ValueError, InvalidOperation, TypeError) as err:
+        raise ValueError(f"{value!r} is not a Kubernetes quantity (e.g. 64Gi, 500G, 1073741824)") from err
+    if amount < 0:
+        raise ValueError(f"{value!r} must not be negative")
+    return int(amount.to_integral_value(rounding="ROUND_CEILING"))
+
+
+def _validate(value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, str | int | float | Decimal):
+        raise ValueError(f"{value!r} is not a Kubernetes quantity (e.g. 64Gi, 500G, 1073741824)")
+    quantity_bytes(str(value))
+    return str(value)
+
+
+Quantity = Annotated[
+    str,
+    BeforeValidator(_validate),
+    PlainSerializer(lambda v: v, return_type=str),
+    WithJsonSchema(
+        {
+            "x-kubernetes-int-or-string": True,
+            "anyOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": QUANTITY_PATTERN}],
+        }
+    ),
+]
+
+
+def gib(nbytes: float) -> str:
+    """Human GiB with one decimal, as the planner's messages print sizes."""
+    return f"{nbytes / GIB:.1f} GiB"

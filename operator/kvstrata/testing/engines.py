@@ -1,0 +1,519 @@
+"""Start, watch and stop real vLLM CPU engines for tests, benchmarks and the e2e launcher.
+
+vLLM lives in its own venv (``make vllm``; see scripts/install-vllm.sh), so engines run as
+subprocesses of that venv's python. Each engine gets its own process group: vLLM forks an engine-core
+process, and stopping the group is the only way to be sure nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvstrata.testing.tinymodel import kvstrata_cache
+
+API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+KV_EVENTS_TOPIC = "kv-events"
+_STOP_GRACE_S = 20.0
+
+
+class EngineError(RuntimeError):
+    """An engine failed to start, died, or the vLLM venv is missing."""
+
+
+def vllm_venv() -> Path:
+    return Path(os.environ.get("VLLM_VENV") or kvstrata_cache() / "vllm-0.32.0").expanduser()
+
+
+def vllm_python() -> Path:
+    """The python of the vLLM venv (``$VLLM_VENV``, default ``$KVSTRATA_CACHE/vllm-0.32.0``)."""
+    venv = vllm_venv()
+    python = venv / "bin" / "python"
+    if not (venv / ".ok").exists() or not python.exists():
+        raise EngineError(f"vLLM venv not found at {venv} (set VLLM_VENV, or run `make vllm` to install it)")
+    return python
+
+
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+
+
+def free_port() -> int:
+    """A TCP port free on every local address, never the same one twice in this process.
+
+    Bound on the wildcard address because vLLM's ZMQ publisher binds ``tcp://*:PORT``."""
+    with _handed_out_lock:
+        for _ in range(100):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind(("", 0))
+                port = sock.getsockname()[1]
+            if port not in _handed_out:
+                _handed_out.add(port)
+                return port
+    raise EngineError("no free port found")
+
+
+def base_env(kv_cache_space_gib: int | None = None) -> dict[str, str]:
+    """Environment every test engine needs, on top of the caller's."""
+    env = {
+        "VLLM_TARGET_DEVICE": "cpu",
+        # Enables POST /reset_prefix_cache, used to clear caches between benchmark runs.
+        "VLLM_SERVER_DEV_MODE": "1",
+        # Loopback only: no usage reports, no hub look-ups (the tiny model is local).
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    if kv_cache_space_gib is not None:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_space_gib))
+    return env
+
+
+def kv_events_config(pub_port: int, replay_host: str | None = None, replay_port: int | None = None) -> str:
+    # vLLM binds the PUB socket only for wildcard endpoints (tcp://*:P); a concrete host makes it
+    # *connect* instead (distributed/kv_events.py, _is_bind_endpoint). The replay ROUTER always binds.
+    cfg: dict[str, Any] = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{pub_port}",
+        "topic": KV_EVENTS_TOPIC,
+    }
+    if replay_port is not None:
+        cfg["replay_endpoint"] = f"tcp://{replay_host or '127.0.0.1'}:{replay_port}"
+    return json.dumps(cfg, separators=(",", ":"))
+
+
+def engine_args(
+    model_dir: Path | str,
+    *,
+    host: str,
+    port: int,
+    served_model_name: str = "tiny",
+    block_size: int = 32,
+    num_gpu_blocks_override: int | None = None,
+    max_model_len: int | None = 4096,
+    max_num_seqs: int | None = 16,
+    kv_events_port: int | None = None,
+    kv_replay_port: int | None = None,
+    extra_args: Sequence[str] = (),
+) -> list[str]:
+    """The api_server flags (after the program) of a test engine on the tiny model."""
+    args = [
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        served_model_name,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--load-format",
+        "dummy",
+        "--dtype",
+        "bfloat16",
+        "--block-size",
+        str(block_size),
+        "--enable-prefix-caching",
+        "--prefix-caching-hash-algo",
+        "sha256",
+    ]
+    if max_model_len is not None:
+        args += ["--max-model-len", str(max_model_len)]
+    if max_num_seqs is not None:
+        args += ["--max-num-seqs", str(max_num_seqs)]
+    if num_gpu_blocks_override is not None:
+        args += ["--num-gpu-blocks-override", str(num_gpu_blocks_override)]
+    if kv_events_port is not None:
+        args += ["--kv-events-config", kv_events_config(kv_events_port, host, kv_replay_port)]
+    elif kv_replay_port is not None:
+        raise ValueError("kv_replay_port needs kv_events_port")
+    return args + list(extra_args)
+
+
+def _flag_value(argv: Sequence[str], flag: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _connect_host(host: str) -> str:
+    return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+
+
+class VllmEngine:
+    """One vLLM OpenAI API server process (plus its engine-core child) in its own process group."""
+
+    def __init__(
+        self,
+        model_dir: Path | str,
+        *,
+        host: str = "127.0.0.1",
+        port: int,
+        served_model_name: str = "tiny",
+        block_size: int = 32,
+        kv_cache_space_gib: int | None = 1,
+        num_gpu_blocks_override: int | None = None,
+        max_model_len: int | None = 4096,
+        max_num_seqs: int | None = 16,
+        kv_events_port: int | None = None,
+        kv_replay_port: int | None = None,
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        log_path: Path,
+    ) -> None:
+        args = engine_args(
+            model_dir,
+            host=host,
+            port=port,
+            served_model_name=served_model_name,
+            block_size=block_size,
+            num_gpu_blocks_override=num_gpu_blocks_override,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            kv_events_port=kv_events_port,
+            kv_replay_port=kv_replay_port,
+            extra_args=extra_args,
+        )
+        self._init(
+            argv=[str(vllm_python()), "-m", API_SERVER_MODULE, *args],
+            env={**base_env(kv_cache_space_gib), **(env or {})},
+            host=host,
+            port=port,
+            served_model_name=served_model_name,
+            kv_events_port=kv_events_port,
+            kv_replay_port=kv_replay_port,
+            log_path=log_path,
+        )
+
+    @classmethod
+    def from_argv(
+        cls,
+        argv: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        *,
+        log_path: Path,
+        host: str | None = None,
+        port: int | None = None,
+        kv_cache_space_gib: int | None = 1,
+    ) -> VllmEngine:
+        """Run an exact command line, e.g. the container args the operator rendered.
+
+        ``argv`` is either flags only (run with the vLLM venv's api_server), ``vllm serve MODEL ...``
+        (the console script does not work for the vllm-cpu distribution, so it is run as the
+        api_server module with ``--model MODEL``), or a full command that is run as is.
+        Host, port, served name and KV-event ports are read from the flags unless given."""
+        argv = list(argv)
+        if not argv:
+            raise ValueError("empty argv")
+        if argv[0].startswith("-"):
+            argv = [str(vllm_python()), "-m", API_SERVER_MODULE, *argv]
+        elif Path(argv[0]).name == "vllm" and len(argv) > 1 and argv[1] == "serve":
+            rest = argv[2:]
+            model = ["--model", rest.pop(0)] if rest and not rest[0].startswith("-") else []
+            argv = [str(vllm_python()), "-m", API_SERVER_MODULE, *model, *rest]
+        host = host or _flag_value(argv, "--host") or "127.0.0.1"
+        if port is None:
+            port = int(_flag_value(argv, "--port") or 8000)
+        events_port = replay_port = None
+        raw_events = _flag_value(argv, "--kv-events-config")
+        if raw_events:
+            cfg = json.loads(raw_events)
+            if cfg.get("enable_kv_cache_events") and cfg.get("endpoint"):
+                events_port = int(str(cfg["endpoint"]).rsplit(":", 1)[1])
+            if cfg.get("replay_endpoint"):
+                replay_port = int(str(cfg["replay_endpoint"]).rsplit(":", 1)[1])
+        engine = cls.__new__(cls)
+        engine._init(
+            argv=argv,
+            env={**base_env(kv_cache_space_gib), **(env or {})},
+            host=host,
+            port=port,
+            served_model_name=_flag_value(argv, "--served-model-name") or _flag_value(argv, "--model") or "",
+            kv_events_port=events_port,
+            kv_replay_port=replay_port,
+            log_path=log_path,
+        )
+        return engine
+
+    def _init(
+        self,
+        *,
+        argv: list[str],
+        env: dict[str, str],
+        host: str,
+        port: int,
+        served_model_name: str,
+        kv_events_port: int | None,
+        kv_replay_port: int | None,
+        log_path: Path,
+    ) -> None:
+        self.argv = argv
+        self.env = env
+        self.host = host
+        self.port = port
+        self.served_model_name = served_model_name
+        self.kv_events_port = kv_events_port
+        self.kv_replay_port = kv_replay_port
+        self.log_path = Path(log_path)
+        self._proc: subprocess.Popen[bytes] | None = None
+        self.started_at: float | None = None
+        self.ready_after_s: float | None = None
+
+    # --- addresses ---------------------------------------------------------------------------
+    @property
+    def base_url(self) -> str:
+        return f"http://{_connect_host(self.host)}:{self.port}"
+
+    @property
+    def kv_events_endpoint(self) -> str | None:
+        """Where a SUB socket connects to receive this engine's KV events."""
+        if self.kv_events_port is None:
+            return None
+        return f"tcp://{_connect_host(self.host)}:{self.kv_events_port}"
+
+    @property
+    def kv_replay_endpoint(self) -> str | None:
+        if self.kv_replay_port is None:
+            return None
+        return f"tcp://{_connect_host(self.host)}:{self.kv_replay_port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> VllmEngine:
+        if self._proc is not None:
+            raise EngineError("engine already started")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **self.env}
+        with open(self.log_path, "ab") as log:
+            log.write(f"# kvstrata: {json.dumps(self.argv)}\n".encode())
+            log.flush()
+            self._proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        self.started_at = time.monotonic()
+        return self
+
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def wait_ready(self, timeout: float = 300.0) -> VllmEngine:
+        """Poll ``/health`` until it answers 200; fail fast with the log tail if the process dies."""
+        if self._proc is None:
+            raise EngineError("engine not started")
+        deadline = time.monotonic() + timeout
+        while True:
+            code = self._proc.poll()
+            if code is not None:
+                raise EngineError(
+                    f"vLLM on port {self.port} exited with code {code} before it was ready; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            if self._health_ok():
+                if self.ready_after_s is None and self.started_at is not None:
+                    self.ready_after_s = time.monotonic() - self.started_at
+                return self
+            if time.monotonic() > deadline:
+                raise EngineError(
+                    f"vLLM on port {self.port} not ready after {timeout:.0f}s; log {self.log_path}:\n"
+                    f"{self.log_tail()}"
+                )
+            time.sleep(1.0)
+
+    def _health_ok(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.base_url + "/health", timeout=2) as resp:
+                return resp.status == 200
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def stop(self, grace: float = _STOP_GRACE_S) -> None:
+        """SIGTERM the process group, then SIGKILL whatever is left after ``grace`` seconds."""
+        if self._proc is None:
+            return
+        pgid = self._proc.pid
+        _signal_group(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and (self._proc.poll() is None or group_alive(pgid)):
+            time.sleep(0.2)
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once, as a crash would."""
+        if self._proc is None:
+            return
+        pgid = self._proc.pid
+        _signal_group(pgid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    def __enter__(self) -> VllmEngine:
+        if self._proc is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # --- observation -------------------------------------------------------------------------
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def rss_bytes(self) -> int:
+        """Resident memory of every process in the engine's group (API server + engine core)."""
+        if self._proc is None:
+            return 0
+        return sum(_rss(pid) for pid in group_pids(self._proc.pid))
+
+    def get(self, path: str, timeout: float = 30.0) -> str:
+        with urllib.request.urlopen(self.base_url + path, timeout=timeout) as resp:
+            return resp.read().decode()
+
+    def post_json(self, path: str, body: Mapping[str, Any] | None = None, timeout: float = 120.0) -> Any:
+        req = urllib.request.Request(
+            self.base_url + path,
+            data=json.dumps(body or {}).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read().decode()
+        return json.loads(raw) if raw.strip() else None
+
+    def complete(self, prompt: str, max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
+        body = {"model": self.served_model_name, "prompt": prompt, "max_tokens": max_tokens, **extra}
+        return self.post_json("/v1/completions", body)
+
+    def metrics(self) -> str:
+        return self.get("/metrics")
+
+    def reset_prefix_cache(self) -> None:
+        self.post_json("/reset_prefix_cache")
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Live (non-zombie) processes whose process group is ``pgid``, read from /proc."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # Fields after the parenthesised command: state ppid pgrp ...
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(entry.name))
+    return pids
+
+
+def group_alive(pgid: int) -> bool:
+    return bool(group_pids(pgid))
+
+
+def _rss(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def start_engines(
+    n: int,
+    model_dir: Path | str,
+    *,
+    base_port: int | None = None,
+    kv_events: bool = True,
+    kv_replay: bool = False,
+    log_dir: Path,
+    timeout: float = 600.0,
+    **kwargs: Any,
+) -> list[VllmEngine]:
+    """Start ``n`` engines at once and wait until all are ready; on any failure stop them all.
+
+    Ports are ``base_port + i`` when given, else free ports. Other keyword arguments go to
+    :class:`VllmEngine` (block_size, kv_cache_space_gib, extra_args, env, ...)."""
+    if n < 1:
+        raise ValueError("n must be >= 1")
+    engines = []
+    for i in range(n):
+        port = base_port + i if base_port is not None else free_port()
+        engines.append(
+            VllmEngine(
+                model_dir,
+                port=port,
+                kv_events_port=free_port() if kv_events else None,
+                kv_replay_port=free_port() if kv_events and kv_replay else None,
+                log_path=Path(log_dir) / f"engine-{i}-{port}.log",
+                **kwargs,
+            )
+        )
+    try:
+        for engine in engines:
+            engine.start()
+        deadline = time.monotonic() + timeout
+        for engine in engines:
+            engine.wait_ready(timeout=max(1.0, deadline - time.monotonic()))
+    except BaseException:
+        stop_all(engines)
+        raise
+    return engines
+
+
+def stop_all(engines: Sequence[VllmEngine]) -> None:
+    # SIGTERM everything first so the engines shut down in parallel, then reap one by one.
+    for engine in engines:
+        if engine.pid is not None:
+            _signal_group(engine.pid, signal.SIGTERM)
+    for engine in engines:
+        engine.stop()
+
+
+@contextlib.contextmanager
+def engines(n: int, model_dir: Path | str, *, log_dir: Path, **kwargs: Any) -> Iterator[list[VllmEngine]]:
+    """``with engines(2, model_dir, log_dir=tmp_path) as es: ...`` — always stopped on exit."""
+    started = start_engines(n, model_dir, log_dir=log_dir, **kwargs)
+    try:
+        yield started
+    finally:
+        stop_all(started)
