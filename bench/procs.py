@@ -1,0 +1,152 @@
+"""Background processes a benchmark owns: started in their own process group, logged to a file, and always
+stopped (group and children) on exit, error, Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class BenchError(RuntimeError):
+    """A benchmark cannot go on; the message says why (printed without a traceback)."""
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, lines: int = 25) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+class ProcGroup:
+    """Owns every process a benchmark starts; `stop_all()` (also run by `with`) ends them, newest first."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.procs: list[Proc] = []
+        log_dir.mkdir(parents=True, exist_ok=True)
+
+    def start(self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None) -> Proc:
+        log = self.log_dir / f"{name}.log"
+        with log.open("wb") as out:
+            popen = subprocess.Popen(
+                list(argv),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **(env or {})},
+                start_new_session=True,  # own process group: stopping it also stops its children
+            )
+        proc = Proc(name, popen, log)
+        self.procs.append(proc)
+        return proc
+
+    def stop(self, proc: Proc, timeout: float = 10.0) -> None:
+        if proc.alive():
+            _signal_group(proc.popen.pid, signal.SIGTERM)
+            try:
+                proc.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                _signal_group(proc.popen.pid, signal.SIGKILL)
+                proc.popen.wait()
+        # Children that outlived their leader (engine workers) still belong to the group.
+        _signal_group(proc.popen.pid, signal.SIGKILL)
+        if proc in self.procs:
+            self.procs.remove(proc)
+
+    def stop_all(self) -> None:
+        for proc in reversed(list(self.procs)):
+            self.stop(proc)
+
+    def __enter__(self) -> ProcGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Turn SIGTERM into KeyboardInterrupt so `finally` blocks stop our processes when make is killed."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def free_port() -> int:
+    try:  # the engine harness owns the canonical helper; fall back only if it is absent
+        from kvstrata.testing.engines import free_port as harness_free_port
+    except ImportError:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return int(sock.getsockname()[1])
+    return int(harness_free_port())
+
+
+def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def http_post(url: str, body: bytes, timeout: float = 30.0) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def wait_until(
+    what: str, check: Callable[[], bool], timeout: float, procs: Sequence[Proc] = (), interval: float = 0.25
+) -> float:
+    """Poll `check` until it is true; fail fast with the log tail if one of `procs` dies. Returns seconds waited."""
+    start = time.monotonic()
+    while True:
+        for proc in procs:
+            if not proc.alive():
+                raise BenchError(
+                    f"{proc.name} exited ({proc.popen.returncode}) while waiting for {what}:\n"
+                    f"{proc.log_tail()}"
+                )
+        try:
+            if check():
+                return time.monotonic() - start
+        except (OSError, ValueError):
+            pass
+        if time.monotonic() - start > timeout:
+            tails = "\n".join(f"--- {p.name} ({p.log}) ---\n{p.log_tail()}" for p in procs)
+            raise BenchError(f"timed out after {timeout:.0f}s waiting for {what}\n{tails}")
+        time.sleep(interval)

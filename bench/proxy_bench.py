@@ -1,0 +1,243 @@
+"""`make bench-proxy`: what each router costs on the data path.
+
+Every router sits in front of the same static nginx backend on loopback (three listen ports = three
+"workers"); `wrk` drives POST /v1/completions at a pinned connection count for a pinned duration, first
+straight at one backend port (the baseline), then through each router. Non-streaming requests get a
+canned completion; streaming requests (`"stream": true`) get a canned SSE stream of SSE_CHUNKS events.
+Figures: requests/s, latency p50/p90/p99, latency added over the direct baseline, SSE chunks/s, errors,
+and the router's own CPU use. Generator, router and backend share the machine's cores: say so when quoting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import nginx_backend
+from bench.procs import BenchError, ProcGroup, http_post, sigterm_as_interrupt
+from bench.report import fmt, group_cpu_seconds, machine, table, write_json
+from bench.routers import RouterConfig, Worker, kvstrata_router_available, start_router
+from bench.wrk import run_wrk, write_script
+
+DEFAULT_ROUTERS = (
+    "sglang-router/cache_aware",
+    "vllm-router/cache_aware",
+    "vllm-router/round_robin",
+    "kvstrata/kv-aware",
+    "kvstrata/round-robin",
+)
+# A fixed ~130-token prompt: long enough that prefix-aware routers have something to match.
+PROMPT = (
+    "You are a careful assistant. Read the following notes about the quarterly maintenance window and "
+    "answer in one short sentence. Notes: the storage cluster is drained node by node, each node is "
+    "cordoned, its volumes are migrated, firmware is updated, and it is returned to service after a "
+    "health check. Question: what happens right before a node returns to service?"
+)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.proxy_bench", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--routers",
+        default=os.environ.get("BENCH_PROXY_ROUTERS", ",".join(DEFAULT_ROUTERS)),
+        help="comma-separated <impl>/<policy> list (default: %(default)s)",
+    )
+    p.add_argument("--connections", type=int, default=int(os.environ.get("BENCH_CONNECTIONS", "64")))
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=float(os.environ.get("BENCH_DURATION", "10")),
+        help="seconds measured per target and mode",
+    )
+    p.add_argument("--warmup", type=float, default=2.0, help="seconds of unmeasured load first")
+    p.add_argument("--threads", type=int, default=1, help="wrk threads (2 cores are shared by everything)")
+    p.add_argument("--workers", type=int, default=3, help="backend listen ports the routers balance over")
+    p.add_argument("--modes", default="json,sse", help="json (non-streaming), sse (streaming), or both")
+    p.add_argument("--out", type=Path, default=Path(".bench/proxy.json"))
+    p.add_argument("--workdir", type=Path, default=Path(".bench/proxy"))
+    return p.parse_args(argv)
+
+
+def _request_body(stream: bool) -> str:
+    return json.dumps({"model": nginx_backend.MODEL, "prompt": PROMPT, "max_tokens": 16, "stream": stream})
+
+
+def _check_once(url: str, stream: bool) -> str | None:
+    """One request before load: returns a problem description, or None if the answer is intact."""
+    status, body = http_post(url + "/v1/completions", _request_body(stream).encode(), timeout=10)
+    if status != 200:
+        return f"HTTP {status}: {body[:200]!r}"
+    if stream:
+        events = body.count(b"data: ")
+        if events != nginx_backend.SSE_CHUNKS + 1:
+            return f"expected {nginx_backend.SSE_CHUNKS + 1} SSE events, got {events}: {body[:200]!r}"
+    elif b'"text_completion"' not in body:
+        return f"unexpected body {body[:200]!r}"
+    return None
+
+
+def _measure(url: str, script: Path, args: argparse.Namespace, pgid: int | None) -> dict[str, Any]:
+    if args.warmup > 0:
+        run_wrk(url + "/v1/completions", script, args.connections, args.warmup, args.threads)
+    cpu0, t0 = (group_cpu_seconds(pgid), time.monotonic()) if pgid else (0.0, 0.0)
+    res = run_wrk(url + "/v1/completions", script, args.connections, args.duration, args.threads)
+    row: dict[str, Any] = res.as_dict()
+    if pgid:
+        row["router_cpu_cores"] = round((group_cpu_seconds(pgid) - cpu0) / (time.monotonic() - t0), 2)
+    return row
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    routers = [r.strip() for r in args.routers.split(",") if r.strip()]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if bad := [m for m in modes if m not in ("json", "sse")]:
+        raise BenchError(f"unknown mode(s) {bad}: use json and/or sse")
+    skipped: dict[str, str] = {}
+    if any(r.startswith("kvstrata/") for r in routers) and not kvstrata_router_available():
+        for r in [r for r in routers if r.startswith("kvstrata/")]:
+            skipped[r] = "`kvstrata router --help` does not work yet"
+            routers.remove(r)
+    tokenizer_dir = None
+    if any(r.startswith("kvstrata/") for r in routers):
+        from kvstrata.testing.tinymodel import default_tiny_model_dir, ensure_tiny_model
+
+        tokenizer_dir = ensure_tiny_model(default_tiny_model_dir())
+    cfg = RouterConfig(model=nginx_backend.MODEL, tokenizer_dir=tokenizer_dir, block_size=32)
+    results: list[dict[str, Any]] = []
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    with ProcGroup(args.workdir / "logs") as procs:
+        backend = nginx_backend.start_backend(procs, args.workdir, args.workers)
+        for mode in modes:
+            stream = mode == "sse"
+            script = write_script(args.workdir / f"wrk-{mode}.lua", _request_body(stream))
+            urls = backend.sse_urls if stream else backend.json_urls
+            targets: list[tuple[str, str | None]] = [("direct (nginx)", None), *[(r, r) for r in routers]]
+            for label, router in targets:
+                row: dict[str, Any] = {"target": label, "mode": mode}
+                running = None
+                try:
+                    if router is None:
+                        url, pgid = urls[0], None
+                    else:
+                        running = start_router(
+                            procs, router, [Worker(u) for u in urls], cfg, probe_prompt=PROMPT
+                        )
+                        url, pgid = running.url, running.proc.popen.pid
+                        row["ready_seconds"] = running.ready_seconds
+                    if problem := _check_once(url, stream):
+                        row["problem"] = problem
+                    print(f"  {mode:4} {label:28} ...", end="", flush=True)
+                    row.update(_measure(url, script, args, pgid))
+                    print(
+                        f" {row['rps']:>9.0f} req/s  p50 {row['p50_ms']:.2f} ms  p99 {row['p99_ms']:.2f} ms"
+                        f"  errors {row['errors']}",
+                        flush=True,
+                    )
+                except BenchError as exc:
+                    row["problem"] = str(exc).splitlines()[0]
+                    row["detail"] = str(exc)
+                    print(f"  {mode:4} {label:28} FAILED: {row['problem']}", flush=True)
+                finally:
+                    if running is not None:
+                        procs.stop(running.proc)
+                if stream and "rps" in row:
+                    row["sse_chunks_per_s"] = round(row["rps"] * (nginx_backend.SSE_CHUNKS + 1), 1)
+                results.append(row)
+    _add_overhead(results)
+    return {
+        "benchmark": "proxy",
+        "machine": machine(),
+        "settings": {
+            "connections": args.connections,
+            "duration_s": args.duration,
+            "warmup_s": args.warmup,
+            "wrk_threads": args.threads,
+            "backend_workers": args.workers,
+            "backend": "nginx (Debian nginx-light), 1 worker process, canned bodies via `return`",
+            "sse_events_per_response": nginx_backend.SSE_CHUNKS + 1,
+            "note": "load generator, router and backend share the same cores",
+        },
+        "skipped": skipped,
+        "results": results,
+    }
+
+
+def _add_overhead(results: list[dict[str, Any]]) -> None:
+    base = {r["mode"]: r for r in results if r["target"].startswith("direct") and "p50_ms" in r}
+    for r in results:
+        b = base.get(r["mode"])
+        if b is None or "p50_ms" not in r or r is b:
+            continue
+        r["added_p50_ms"] = round(r["p50_ms"] - b["p50_ms"], 3)
+        r["added_p99_ms"] = round(r["p99_ms"] - b["p99_ms"], 3)
+        r["rps_vs_direct"] = round(r["rps"] / b["rps"], 3) if b["rps"] else None
+
+
+def render(payload: dict[str, Any]) -> str:
+    headers = [
+        "target",
+        "mode",
+        "req/s",
+        "p50 ms",
+        "p99 ms",
+        "+p50 ms",
+        "+p99 ms",
+        "chunks/s",
+        "errors",
+        "router cpu",
+    ]
+    rows = []
+    for r in payload["results"]:
+        rows.append(
+            [
+                r["target"],
+                r["mode"],
+                fmt(r.get("rps"), 0),
+                fmt(r.get("p50_ms"), 2),
+                fmt(r.get("p99_ms"), 2),
+                fmt(r.get("added_p50_ms"), 2),
+                fmt(r.get("added_p99_ms"), 2),
+                fmt(r.get("sse_chunks_per_s"), 0),
+                fmt(r.get("errors")),
+                fmt(r.get("router_cpu_cores"), 2),
+            ]
+        )
+    s = payload["settings"]
+    lines = [
+        f"proxy overhead: {s['connections']} connections, {s['duration_s']:g} s per row, "
+        f"wrk threads {s['wrk_threads']}, {payload['machine']['cpus']} CPUs shared by wrk + router + nginx",
+        table(headers, rows),
+    ]
+    for r in payload["results"]:
+        if "problem" in r:
+            lines.append(f"! {r['target']} ({r['mode']}): {r['problem']}")
+    for name, why in payload["skipped"].items():
+        lines.append(f"skipped {name}: {why}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        with sigterm_as_interrupt():
+            payload = run(args)
+    except BenchError as exc:
+        print(f"bench-proxy: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("bench-proxy: interrupted; all processes stopped", file=sys.stderr)
+        return 130
+    write_json(args.out, payload)
+    print()
+    print(render(payload))
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,162 @@
+"""The routers under test and how to start each one: kvstrata's own and the peers (vllm-router, sglang-router).
+
+A router is named `<implementation>/<policy>`, e.g. `vllm-router/kv_aware` or `kvstrata/kv-aware`. Each is
+started on a fresh port in front of the same workers and counted ready only once a real completion
+request through it succeeds (sglang-router answers 503 until it has found its workers).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.procs import BenchError, Proc, ProcGroup, free_port, http_post, wait_until
+
+VENV_BIN = Path(sys.executable).parent
+
+PEER_POLICIES = {
+    "vllm-router": ("round_robin", "cache_aware", "kv_aware", "power_of_two", "consistent_hash"),
+    "sglang-router": ("round_robin", "cache_aware", "power_of_two", "random"),
+    "kvstrata": ("kv-aware", "prefix-hash", "least-load", "round-robin"),
+}
+
+
+@dataclass(frozen=True)
+class Worker:
+    url: str
+    kv_events: str | None = None  # tcp://127.0.0.1:PORT (ZMQ PUB)
+    kv_replay: str | None = None  # tcp://127.0.0.1:PORT (ZMQ ROUTER)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model: str
+    tokenizer_dir: Path | None
+    block_size: int
+
+
+@dataclass(frozen=True)
+class RunningRouter:
+    name: str
+    url: str
+    proc: Proc
+    ready_seconds: float
+
+
+def split_name(name: str) -> tuple[str, str]:
+    impl, _, policy = name.partition("/")
+    if impl not in PEER_POLICIES or policy not in PEER_POLICIES[impl]:
+        known = ", ".join(f"{i}/{p}" for i, ps in PEER_POLICIES.items() for p in ps)
+        raise BenchError(f"unknown router {name!r}; known: {known}")
+    return impl, policy
+
+
+def router_argv(name: str, port: int, workers: list[Worker], cfg: RouterConfig) -> list[str]:
+    impl, policy = split_name(name)
+    urls = [w.url for w in workers]
+    if impl == "vllm-router":
+        argv = [
+            str(VENV_BIN / "vllm-router"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--policy",
+            policy,
+            "--worker-urls",
+            *urls,
+            "--prometheus-port",
+            str(free_port()),
+            "--log-level",
+            "warning",
+        ]
+        if policy == "kv_aware":
+            for w in workers:
+                if w.kv_events is None:
+                    raise BenchError(
+                        f"vllm-router/kv_aware needs KV events from every worker ({w.url} has none)"
+                    )
+                argv += ["--kv-event-source", f"{w.url}={w.kv_events}"]
+                if w.kv_replay:
+                    argv += ["--kv-event-replay-source", f"{w.url}={w.kv_replay}"]
+            argv += ["--kv-event-block-size", str(cfg.block_size), "--kv-event-model", cfg.model]
+        return argv
+    if impl == "sglang-router":
+        return [
+            str(VENV_BIN / "sglang-router"),
+            "launch",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--policy",
+            policy,
+            "--worker-urls",
+            *urls,
+            "--prometheus-port",
+            str(free_port()),
+            "--prometheus-host",
+            "127.0.0.1",
+            "--log-level",
+            "warn",
+        ]
+    argv = [
+        str(VENV_BIN / "kvstrata"),
+        "router",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--model",
+        cfg.model,
+        "--block-size",
+        str(cfg.block_size),
+        "--policy",
+        policy,
+    ]
+    if cfg.tokenizer_dir is not None:
+        argv += ["--tokenizer", str(cfg.tokenizer_dir)]
+    for w in workers:
+        spec = w.url
+        if w.kv_events:
+            spec += f",events={w.kv_events}"
+        if w.kv_replay:
+            spec += f",replay={w.kv_replay}"
+        argv += ["--endpoint", spec]
+    return argv
+
+
+def kvstrata_router_available() -> bool:
+    """True once `kvstrata router --help` works (the router is written concurrently with this harness)."""
+    try:
+        out = subprocess.run(
+            [str(VENV_BIN / "kvstrata"), "router", "--help"], capture_output=True, timeout=60
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0
+
+
+def start_router(
+    procs: ProcGroup,
+    name: str,
+    workers: list[Worker],
+    cfg: RouterConfig,
+    probe_prompt: str = "ping",
+    timeout: float = 90.0,
+) -> RunningRouter:
+    port = free_port()
+    proc = procs.start(
+        name.replace("/", "_"), router_argv(name, port, workers, cfg), env={"RUST_LOG": "warn"}
+    )
+    url = f"http://127.0.0.1:{port}"
+    body = json.dumps({"model": cfg.model, "prompt": probe_prompt, "max_tokens": 1}).encode()
+
+    def ready() -> bool:
+        return http_post(url + "/v1/completions", body, timeout=10)[0] == 200
+
+    waited = wait_until(f"{name} to route a request", ready, timeout, [proc], interval=0.5)
+    return RunningRouter(name, url, proc, round(waited, 2))
