@@ -85,7 +85,11 @@ def _structural(node: dict[str, Any]) -> dict[str, Any]:
         node.pop("type", None)
     if "const" in node:
         node["enum"] = [node.pop("const")]
-    if node.get("type") == "object" and "additionalProperties" in node and node["additionalProperties"] is False:
+    if (
+        node.get("type") == "object"
+        and "additionalProperties" in node
+        and node["additionalProperties"] is False
+    ):
         node.pop("additionalProperties")
     return node
 

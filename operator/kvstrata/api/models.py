@@ -78,7 +78,9 @@ class ArchitectureOverrides(Wire):
     hidden_size: int = Field(ge=1, le=1 << 20, description="config.json hidden_size")
     kv_lora_rank: int | None = Field(None, ge=1, le=8192, description="MLA: config.json kv_lora_rank")
     qk_rope_head_dim: int | None = Field(None, ge=1, le=1024, description="MLA: config.json qk_rope_head_dim")
-    sliding_window: int | None = Field(None, ge=1, description="Window of the sliding-window layers, in tokens")
+    sliding_window: int | None = Field(
+        None, ge=1, description="Window of the sliding-window layers, in tokens"
+    )
     sliding_window_layers: int = Field(0, ge=0, description="How many layers use the sliding window")
     max_position_embeddings: int | None = Field(None, ge=1, description="Longest context the model supports")
     vocab_size: int = Field(32000, ge=1)
@@ -158,27 +160,22 @@ class EngineSpec(Wire):
 
 # ------------------------------------------------------------------------------------------- kv cache
 class GpuTier(Wire):
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel(
-                    "!(has(self.size) && has(self.numBlocks))",
-                    "set either size or numBlocks for the engine KV pool, not both",
-                    ".numBlocks",
-                )
-            ]
-        }
-    )
-
     memory_utilization: float = Field(
-        0.9, ge=0.05, le=0.98, description="Share of each GPU's memory vLLM may use (weights + activations + KV)"
+        0.9,
+        ge=0.05,
+        le=0.98,
+        description="Share of each GPU's memory vLLM may use (weights + activations + KV)",
     )
     size: Quantity | None = Field(
         None,
         description="Fixed KV pool per engine instead of utilization: --kv-cache-memory-bytes on GPU, "
         "VLLM_CPU_KVCACHE_SPACE (whole GiB) on device cpu",
     )
-    num_blocks: int | None = Field(None, ge=1, description="Exact KV block count (--num-gpu-blocks-override)")
+    num_blocks: int | None = Field(
+        None,
+        ge=1,
+        description="Cap the pool at exactly this many blocks (--num-gpu-blocks-override); must fit size",
+    )
 
 
 class CpuTier(Wire):
@@ -200,7 +197,10 @@ class NvmeTier(Wire):
 
     size: Quantity = Field(description="NVMe (PVC) capacity per engine pod for KV blocks, e.g. 500Gi")
     storage_class_name: str | None = Field(
-        None, min_length=1, max_length=253, description="StorageClass of the PVCs; default: the cluster default"
+        None,
+        min_length=1,
+        max_length=253,
+        description="StorageClass of the PVCs; default: the cluster default",
     )
     retention: Literal["Retain", "Delete"] = Field(
         "Retain", description="Keep the PVCs (warm cache) or delete them when the cluster is deleted"
@@ -208,7 +208,9 @@ class NvmeTier(Wire):
 
 
 class Tiers(Wire):
-    gpu: GpuTier = Field(default_factory=GpuTier, description="The engine's own KV pool (HBM; host RAM on cpu)")
+    gpu: GpuTier = Field(
+        default_factory=GpuTier, description="The engine's own KV pool (HBM; host RAM on cpu)"
+    )
     cpu: CpuTier | None = Field(None, description="Offload tier in host DRAM")
     nvme: NvmeTier | None = Field(None, description="Offload tier on a PVC")
 
@@ -220,7 +222,9 @@ class Offload(Wire):
 
 
 class KvCacheSpec(Wire):
-    dtype: KvDtype = Field("auto", description="KV cache dtype (--kv-cache-dtype); fp8 halves bytes per token")
+    dtype: KvDtype = Field(
+        "auto", description="KV cache dtype (--kv-cache-dtype); fp8 halves bytes per token"
+    )
     block_size: int | None = Field(
         None, ge=1, le=1024, description="Tokens per KV block; default 16 on gpu, 128 on cpu (multiple of 32)"
     )

@@ -50,5 +50,7 @@ Quantity = Annotated[
 
 
 def gib(nbytes: float) -> str:
-    """Human GiB with one decimal, as the planner's messages print sizes."""
+    """Human size as the planner's messages print it: GiB with one decimal, MiB below 1 GiB."""
+    if abs(nbytes) < GIB:
+        return f"{nbytes / (1 << 20):.1f} MiB"
     return f"{nbytes / GIB:.1f} GiB"
