@@ -1,0 +1,438 @@
+"""(spec, plan) → the Kubernetes objects of one InferenceCluster. Pure: dicts in, dicts out, no I/O.
+
+Objects are complete desired states for server-side apply: every field we set is a field we own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from kvstrata.api.models import API_VERSION, KIND, InferenceClusterSpec
+from kvstrata.planner.constants import (
+    HF_HOME,
+    KV_EVENTS_PORT,
+    KV_EVENTS_TOPIC,
+    KV_REPLAY_PORT,
+    LMCACHE_PORT,
+    MODEL_MOUNT,
+    NVME_MOUNT,
+)
+from kvstrata.planner.plan import Plan
+from kvstrata.router.settings import Discovery, RouterSettings, Weights
+
+FLAGS_DIGEST_ANNOTATION = "kvstrata.io/flags-digest"
+CONFIG_DIGEST_ANNOTATION = "kvstrata.io/config-digest"
+ENGINE_CONTAINER = "vllm"
+LMCACHE_CONTAINER = "lmcache"
+ROUTER_CONTAINER = "router"
+ENGINE_COMMAND = ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+ROUTER_CONFIG_DIR = "/etc/kvstrata"
+UID = 1000
+Obj = dict[str, Any]
+
+
+def engine_name(name: str) -> str:
+    return f"{name}-engine"
+
+
+def router_name(name: str) -> str:
+    return f"{name}-router"
+
+
+def labels(name: str, component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "kvstrata",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/managed-by": "kvstrata",
+        "app.kubernetes.io/part-of": "kvstrata",
+    }
+
+
+def selector(name: str, component: str) -> dict[str, str]:
+    """The stable subset of labels used in selectors (selectors are immutable on StatefulSets)."""
+    return {"app.kubernetes.io/instance": name, "app.kubernetes.io/component": component}
+
+
+def engine_selector(name: str) -> dict[str, str]:
+    return selector(name, "engine")
+
+
+def selector_string(sel: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(sel.items()))
+
+
+def _meta(name: str, namespace: str, owner: str, component: str, uid: str | None) -> Obj:
+    meta: Obj = {"name": name, "namespace": namespace, "labels": labels(owner, component)}
+    if uid:
+        meta["ownerReferences"] = [
+            {
+                "apiVersion": API_VERSION,
+                "kind": KIND,
+                "name": owner,
+                "uid": uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
+    return meta
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _security_context() -> Obj:
+    return {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "runAsNonRoot": True,
+        "runAsUser": UID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _mib(nbytes: int) -> str:
+    return f"{-(-nbytes // (1 << 20))}Mi"
+
+
+def _model_volume(spec: InferenceClusterSpec) -> tuple[Obj, Obj]:
+    """The volume holding weights (and the tokenizer the router reads) and its mount."""
+    source = spec.model.source
+    if source.startswith("pvc://"):
+        claim = source.removeprefix("pvc://").split("/", 1)[0]
+        volume = {"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+        return volume, {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
+    return {"name": "model", "emptyDir": {}}, {"name": "model", "mountPath": HF_HOME}
+
+
+def _tokenizer_dir(spec: InferenceClusterSpec) -> str | None:
+    """The router tokenizes locally when it can mount the model; otherwise it asks an engine's /tokenize."""
+    source = spec.model.source
+    if not source.startswith("pvc://"):
+        return None
+    _, _, path = source.removeprefix("pvc://").partition("/")
+    return f"{MODEL_MOUNT}/{path}".rstrip("/")
+
+
+def _engine_resources(spec: InferenceClusterSpec, plan: Plan) -> Obj:
+    eng = spec.engine
+    memory = eng.resources.memory or _mib(plan.memory_bytes)
+    cpu = eng.resources.cpu or (str(4 * eng.tensor_parallel_size) if eng.device == "gpu" else "2")
+    requests: Obj = {"cpu": cpu, "memory": memory}
+    # Memory limit = request: a pod that outgrows its plan is a planning bug we want to see, not a noisy neighbour.
+    limits: Obj = {"memory": memory}
+    if plan.gpus:
+        requests["nvidia.com/gpu"] = str(plan.gpus)
+        limits["nvidia.com/gpu"] = str(plan.gpus)
+    return {"requests": requests, "limits": limits}
+
+
+def _probes(port_name: str, ready_path: str, live_path: str) -> Obj:
+    return {
+        "startupProbe": {
+            "httpGet": {"path": live_path, "port": port_name},
+            "periodSeconds": 10,
+            # Loading weights can take many minutes; the startup probe protects that, not the liveness one.
+            "failureThreshold": 180,
+        },
+        "readinessProbe": {"httpGet": {"path": ready_path, "port": port_name}, "periodSeconds": 5},
+        "livenessProbe": {
+            "httpGet": {"path": live_path, "port": port_name},
+            "periodSeconds": 10,
+            "failureThreshold": 6,
+        },
+    }
+
+
+def _lmcache_container(spec: InferenceClusterSpec, plan: Plan) -> Obj:
+    assert plan.lmcache is not None
+    mem = _mib(plan.lmcache.memory_bytes)
+    container: Obj = {
+        "name": LMCACHE_CONTAINER,
+        "image": spec.engine.image,
+        "command": list(plan.lmcache.args),
+        # A native sidecar: starts before the engine (which connects to it at start) and stops after it.
+        "restartPolicy": "Always",
+        "ports": [{"name": "lmcache", "containerPort": LMCACHE_PORT}],
+        "resources": {"requests": {"cpu": "2", "memory": mem}, "limits": {"memory": mem}},
+        "securityContext": _security_context(),
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+    }
+    if spec.kv_cache.tiers.nvme is not None:
+        container["volumeMounts"].append({"name": "kv-cache", "mountPath": NVME_MOUNT})
+    return container
+
+
+def engine_statefulset(
+    name: str, namespace: str, spec: InferenceClusterSpec, plan: Plan, uid: str | None
+) -> Obj:
+    eng, kv = spec.engine, spec.kv_cache
+    model_volume, model_mount = _model_volume(spec)
+    env = [{"name": k, "value": v} for k, v in sorted(plan.engine_env.items())]
+    env.append({"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+    mounts = [{"name": "dshm", "mountPath": "/dev/shm"}, model_mount, {"name": "tmp", "mountPath": "/tmp"}]
+    if kv.tiers.nvme is not None and plan.offload_backend == "native":
+        mounts.append({"name": "kv-cache", "mountPath": NVME_MOUNT})
+    container: Obj = {
+        "name": ENGINE_CONTAINER,
+        "image": eng.image,
+        "command": ENGINE_COMMAND,
+        "args": plan.engine_args,
+        "env": env,
+        "ports": [
+            {"name": "http", "containerPort": eng.port},
+            {"name": "kv-events", "containerPort": KV_EVENTS_PORT},
+            {"name": "kv-replay", "containerPort": KV_REPLAY_PORT},
+        ],
+        "resources": _engine_resources(spec, plan),
+        "securityContext": _security_context(),
+        "volumeMounts": mounts,
+        **_probes("http", "/health", "/health"),
+    }
+    volumes: list[Obj] = [
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": _mib(plan.shm_bytes)}},
+        model_volume,
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    pod_spec: Obj = {
+        "containers": [container],
+        "volumes": volumes,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": UID, "fsGroup": UID},
+        "terminationGracePeriodSeconds": 60,
+        "affinity": {
+            "podAntiAffinity": {
+                "preferredDuringSchedulingIgnoredDuringExecution": [
+                    {
+                        "weight": 100,
+                        "podAffinityTerm": {
+                            "labelSelector": {"matchLabels": engine_selector(name)},
+                            "topologyKey": "kubernetes.io/hostname",
+                        },
+                    }
+                ]
+            }
+        },
+        "enableServiceLinks": False,
+    }
+    if plan.gpus:
+        pod_spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    if plan.lmcache is not None:
+        pod_spec["initContainers"] = [_lmcache_container(spec, plan)]
+    sts_spec: Obj = {
+        "replicas": spec.replicas,
+        "serviceName": engine_name(name),
+        "podManagementPolicy": "Parallel",
+        "selector": {"matchLabels": engine_selector(name)},
+        "updateStrategy": {"type": "RollingUpdate"},
+        "template": {
+            "metadata": {
+                "labels": labels(name, "engine"),
+                "annotations": {FLAGS_DIGEST_ANNOTATION: plan.flags_digest},
+            },
+            "spec": pod_spec,
+        },
+    }
+    if kv.tiers.nvme is not None:
+        pvc_spec: Obj = {
+            "accessModes": ["ReadWriteOnce"],
+            "resources": {"requests": {"storage": kv.tiers.nvme.size}},
+        }
+        if kv.tiers.nvme.storage_class_name:
+            pvc_spec["storageClassName"] = kv.tiers.nvme.storage_class_name
+        sts_spec["volumeClaimTemplates"] = [
+            {"metadata": {"name": "kv-cache", "labels": labels(name, "kv-cache")}, "spec": pvc_spec}
+        ]
+        sts_spec["persistentVolumeClaimRetentionPolicy"] = {
+            "whenDeleted": kv.tiers.nvme.retention,
+            # Scaling down keeps a pod's warm cache for when it comes back.
+            "whenScaled": "Retain",
+        }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _meta(engine_name(name), namespace, name, "engine", uid),
+        "spec": sts_spec,
+    }
+
+
+def engine_service(name: str, namespace: str, spec: InferenceClusterSpec, uid: str | None) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(engine_name(name), namespace, name, "engine", uid),
+        "spec": {
+            # Headless: the router needs every pod's own address, not a load-balanced VIP.
+            "clusterIP": "None",
+            "selector": engine_selector(name),
+            "ports": [
+                {"name": "http", "port": spec.engine.port, "targetPort": "http"},
+                {"name": "kv-events", "port": KV_EVENTS_PORT, "targetPort": "kv-events"},
+                {"name": "kv-replay", "port": KV_REPLAY_PORT, "targetPort": "kv-replay"},
+            ],
+        },
+    }
+
+
+def engine_pdb(name: str, namespace: str, uid: str | None) -> Obj:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(engine_name(name), namespace, name, "engine", uid),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": engine_selector(name)}},
+    }
+
+
+def router_settings(name: str, namespace: str, spec: InferenceClusterSpec, plan: Plan) -> RouterSettings:
+    w = spec.router.weights
+    return RouterSettings(
+        model=spec.model.served_name or spec.model.name,
+        tokenizer=_tokenizer_dir(spec),
+        block_size=plan.block_size,
+        hash_algo=spec.kv_cache.hash_algo,
+        kv_events_topic=KV_EVENTS_TOPIC,
+        policy=spec.router.policy,
+        weights=Weights(prefix=w.prefix, load=w.load, kv_usage=w.kv_usage),
+        discovery=Discovery(
+            namespace=namespace,
+            service=engine_name(name),
+            engine_port=spec.engine.port,
+            kv_events_port=KV_EVENTS_PORT,
+            kv_replay_port=KV_REPLAY_PORT,
+        ),
+    )
+
+
+def router_configmap(
+    name: str, namespace: str, spec: InferenceClusterSpec, plan: Plan, uid: str | None
+) -> Obj:
+    settings = router_settings(name, namespace, spec, plan)
+    body = json.dumps(settings.model_dump(by_alias=True, mode="json"), indent=2, sort_keys=True)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(router_name(name), namespace, name, "router", uid),
+        "data": {"router.json": body},
+    }
+
+
+def router_rbac(name: str, namespace: str, uid: str | None) -> list[Obj]:
+    """The router reads its engines' EndpointSlices, nothing else."""
+    sa = {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": _meta(router_name(name), namespace, name, "router", uid),
+    }
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": _meta(router_name(name), namespace, name, "router", uid),
+        "rules": [
+            {
+                "apiGroups": ["discovery.k8s.io"],
+                "resources": ["endpointslices"],
+                "verbs": ["get", "list", "watch"],
+            }
+        ],
+    }
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": _meta(router_name(name), namespace, name, "router", uid),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": router_name(name)},
+        "subjects": [{"kind": "ServiceAccount", "name": router_name(name), "namespace": namespace}],
+    }
+    return [sa, role, binding]
+
+
+def router_deployment(
+    name: str, namespace: str, spec: InferenceClusterSpec, plan: Plan, uid: str | None
+) -> Obj:
+    r = spec.router
+    config = router_configmap(name, namespace, spec, plan, None)["data"]
+    mounts = [{"name": "config", "mountPath": ROUTER_CONFIG_DIR, "readOnly": True}]
+    volumes: list[Obj] = [{"name": "config", "configMap": {"name": router_name(name)}}]
+    if _tokenizer_dir(spec):
+        model_volume, model_mount = _model_volume(spec)
+        volumes.append(model_volume)
+        mounts.append(model_mount)
+    container: Obj = {
+        "name": ROUTER_CONTAINER,
+        "image": r.image,
+        "command": ["kvstrata"],
+        "args": ["router", "--config", f"{ROUTER_CONFIG_DIR}/router.json", "--port", str(r.port)],
+        "env": [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}],
+        "ports": [{"name": "http", "containerPort": r.port}],
+        "resources": {"requests": {"cpu": "1", "memory": "512Mi"}, "limits": {"memory": "2Gi"}},
+        "securityContext": {**_security_context(), "readOnlyRootFilesystem": True},
+        "volumeMounts": mounts,
+        **_probes("http", "/ready", "/health"),
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(router_name(name), namespace, name, "router", uid),
+        "spec": {
+            "replicas": r.replicas,
+            "selector": {"matchLabels": selector(name, "router")},
+            "template": {
+                "metadata": {
+                    "labels": labels(name, "router"),
+                    # The router reads router.json at start: a changed config must roll it.
+                    "annotations": {CONFIG_DIGEST_ANNOTATION: _digest(config)},
+                },
+                "spec": {
+                    "serviceAccountName": router_name(name),
+                    "containers": [container],
+                    "volumes": volumes,
+                    "securityContext": {"runAsNonRoot": True, "runAsUser": UID},
+                    "enableServiceLinks": False,
+                },
+            },
+        },
+    }
+
+
+def router_service(name: str, namespace: str, spec: InferenceClusterSpec, uid: str | None) -> Obj:
+    """`<name>`: what clients call. It fronts the router, never the engines directly."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(name, namespace, name, "router", uid),
+        "spec": {
+            "selector": selector(name, "router"),
+            "ports": [{"name": "http", "port": 80, "targetPort": "http"}],
+        },
+    }
+
+
+def service_monitor(name: str, namespace: str, uid: str | None) -> Obj:
+    """Optional (needs the Prometheus Operator CRDs): scrape engines and router."""
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": _meta(name, namespace, name, "metrics", uid),
+        "spec": {
+            "selector": {"matchLabels": {"app.kubernetes.io/instance": name}},
+            "endpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}],
+        },
+    }
+
+
+def render(
+    name: str, namespace: str, spec: InferenceClusterSpec, plan: Plan, uid: str | None = None
+) -> list[Obj]:
+    """Every child object, in apply order (config before its readers). Only for a feasible plan."""
+    if not plan.feasible:
+        raise ValueError(f"cannot render an infeasible plan: {plan.summary()}")
+    return [
+        router_configmap(name, namespace, spec, plan, uid),
+        *router_rbac(name, namespace, uid),
+        engine_service(name, namespace, spec, uid),
+        engine_statefulset(name, namespace, spec, plan, uid),
+        engine_pdb(name, namespace, uid),
+        router_deployment(name, namespace, spec, plan, uid),
+        router_service(name, namespace, spec, uid),
+    ]
