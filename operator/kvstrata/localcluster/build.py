@@ -168,7 +168,14 @@ def components(kubernetes_go_mod: str) -> list[Component]:
 
 
 def wrapper_go_mod(c: Component) -> str:
-    lines = [f"module kvstrata.local/build/{c.name}", "", "go 1.26", "", f"require {c.module} {c.version}", ""]
+    lines = [
+        f"module kvstrata.local/build/{c.name}",
+        "",
+        "go 1.26",
+        "",
+        f"require {c.module} {c.version}",
+        "",
+    ]
     if c.replaces:
         lines.append("replace (")
         lines += [f"\t{mod} => {mod} {ver}" for mod, ver in c.replaces.items()]
@@ -185,7 +192,17 @@ def build_component(c: Component, src: Path, out: Path, log: Path, env: dict[str
     for binary, pkg in c.packages.items():
         print(f"  go build {pkg} -> {binary}", file=sys.stderr, flush=True)
         run(
-            [str(versions.GO), "build", "-p", "2", "-trimpath", f"-ldflags={ldflags}", "-o", str(out / binary), pkg],
+            [
+                str(versions.GO),
+                "build",
+                "-p",
+                "2",
+                "-trimpath",
+                f"-ldflags={ldflags}",
+                "-o",
+                str(out / binary),
+                pkg,
+            ],
             wdir,
             log,
             env,
@@ -219,12 +236,18 @@ def build(force: bool = False, keep_gocache: bool = False) -> Path:
     # A private GOCACHE keeps the ~GBs of objects out of the shared one and lets us drop it after.
     gocache = root / "gocache"
     env = go_env(gocache)
-    print(f"building control plane ({versions.build_key()}) into {out}; log {log}", file=sys.stderr, flush=True)
+    print(
+        f"building control plane ({versions.build_key()}) into {out}; log {log}", file=sys.stderr, flush=True
+    )
     started = time.monotonic()
     k8s_mod = module_go_mod("k8s.io/kubernetes", versions.KUBERNETES, log, env, src)
     timings: dict[str, float] = {}
     for comp in components(k8s_mod):
-        if all((out / b).is_file() for b in comp.packages) and (src / comp.name / ".done").is_file() and not force:
+        if (
+            all((out / b).is_file() for b in comp.packages)
+            and (src / comp.name / ".done").is_file()
+            and not force
+        ):
             continue
         timings[comp.name] = round(build_component(comp, src, out, log, env), 1)
         (src / comp.name / ".done").write_text("ok\n")
