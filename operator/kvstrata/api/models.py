@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from kvstrata.api.quantity import Quantity
@@ -86,6 +86,21 @@ class ArchitectureOverrides(Wire):
     vocab_size: int = Field(32000, ge=1)
     params_billions: float = Field(gt=0, le=10000, description="Parameter count in billions (sizes weights)")
     weight_bytes_per_param: float = Field(2.0, gt=0, le=4, description="2 for bf16/fp16, 1 for fp8 weights")
+
+    @model_validator(mode="after")
+    def _same_rules_as_cel(self) -> ArchitectureOverrides:
+        # The CRD's CEL rules, repeated so that `kvstrata plan` and the webhook refuse the same manifests.
+        if self.attention == "mla" and (self.kv_lora_rank is None or self.qk_rope_head_dim is None):
+            raise ValueError(
+                "attention mla needs kvLoraRank and qkRopeHeadDim (config.json kv_lora_rank, qk_rope_head_dim)"
+            )
+        if self.attention != "mla" and (self.num_kv_heads is None or self.head_dim is None):
+            raise ValueError(
+                "attention mha/gqa needs numKvHeads and headDim (config.json num_key_value_heads, head_dim)"
+            )
+        if self.num_kv_heads is not None and self.num_kv_heads > self.num_attention_heads:
+            raise ValueError("numKvHeads cannot exceed numAttentionHeads")
+        return self
 
 
 class ModelSpec(Wire):

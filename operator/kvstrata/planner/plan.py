@@ -11,7 +11,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from kvstrata.api.models import InferenceClusterSpec, PlanStatus, TierPlan
 from kvstrata.api.quantity import GIB, gib, quantity_bytes
@@ -341,7 +341,7 @@ def _lmcache_sidecar(spec: InferenceClusterSpec, plan: Plan) -> LmcacheSidecar:
     return LmcacheSidecar(args=tuple(args), memory_bytes=cpu_bytes + LMCACHE_SIDECAR_OVERHEAD)
 
 
-def plan(spec: InferenceClusterSpec) -> Plan:
+def plan(spec: InferenceClusterSpec, *, suggest_fixes: bool = True) -> Plan:
     """The whole plan for one InferenceCluster spec. Never raises for a bad spec: problems are the verdict."""
     eng, kv = spec.engine, spec.kv_cache
     block = kv.block_size or DEFAULT_BLOCK_SIZE[eng.device]
@@ -379,7 +379,12 @@ def plan(spec: InferenceClusterSpec) -> Plan:
     usable_pool = gpu_tier.blocks * block * out.kv_bytes_per_token_per_rank
     out.max_concurrency = usable_pool / out.sequence_bytes if out.sequence_bytes else 0.0
     if pool > 0 and out.sequence_bytes > usable_pool:
-        out.problems.append(_max_len_problem(spec, arch, out, layer_bytes, usable_pool))
+        if suggest_fixes:
+            out.problems.append(_max_len_problem(spec, arch, out, layer_bytes, usable_pool))
+        else:
+            out.problems.append(
+                Problem("spec.engine.maxModelLen", "one sequence does not fit the engine pool")
+            )
     per_token_all_ranks = out.kv_bytes_per_token
     _offload(spec, out, per_token_all_ranks)
     if out.problems:
@@ -408,22 +413,43 @@ def _split(err: UnknownModel) -> tuple[str, str]:
 def _max_len_problem(
     spec: InferenceClusterSpec, arch: Architecture, plan: Plan, layer_bytes: int, pool: int
 ) -> Problem:
-    """vLLM's own start-up refusal, predicted, with the fixes that would each make it fit."""
+    """vLLM's own start-up refusal, predicted, with fixes that each verifiably make the plan fit."""
     eng, kv = spec.engine, spec.kv_cache
     block = plan.block_size
-    longest = longest_sequence(arch, pool, layer_bytes, block, eng.max_model_len)
-    fixes: list[str] = []
-    if kv.dtype not in {"fp8", "fp8_e4m3", "fp8_e5m2"} and plan.sequence_bytes // 2 <= pool:
-        fixes.append("use spec.kvCache.dtype fp8 (halves bytes per token)")
-    if eng.device == "gpu" and kv.tiers.gpu.size is None and kv.tiers.gpu.memory_utilization < 0.95:
-        fixes.append("raise spec.kvCache.tiers.gpu.memoryUtilization")
-    if eng.device == "gpu" and arch.attention != "mla":
-        fixes.append(
-            f"raise spec.engine.tensorParallelSize above {eng.tensor_parallel_size} (shards KV heads)"
+    candidates: list[tuple[str, dict[str, Any]]] = []
+    if kv.dtype not in {"fp8", "fp8_e4m3", "fp8_e5m2"}:
+        candidates.append(
+            ("use spec.kvCache.dtype fp8 (halves bytes per token)", {"kvCache": {"dtype": "fp8"}})
         )
+    if eng.device == "gpu" and kv.tiers.gpu.size is None:
+        for util in (0.92, 0.95):
+            if util > kv.tiers.gpu.memory_utilization:
+                change = {"kvCache": {"tiers": {"gpu": {"memoryUtilization": util}}}}
+                candidates.append((f"raise spec.kvCache.tiers.gpu.memoryUtilization to {util}", change))
+    if eng.device == "gpu" and arch.attention != "mla":
+        tp = eng.tensor_parallel_size * 2
+        while tp <= 16 and arch.num_attention_heads % tp == 0:
+            change = {"engine": {"tensorParallelSize": tp}}
+            candidates.append((f"raise spec.engine.tensorParallelSize to {tp} (shards KV heads)", change))
+            tp *= 2
     if eng.device == "cpu":
         need = -(-plan.sequence_bytes // GIB)
-        fixes.append(f"set spec.kvCache.tiers.gpu.size to at least {need}Gi")
+        candidates.append(
+            (
+                f"set spec.kvCache.tiers.gpu.size to at least {need}Gi",
+                {"kvCache": {"tiers": {"gpu": {"size": f"{need}Gi"}}}},
+            )
+        )
+    fixes: list[str] = []
+    taken: set[str] = set()
+    for text, change in candidates:
+        key = text.split(" to ")[0]
+        if key in taken:
+            continue
+        if plan_fits(_merged(spec, change)):
+            fixes.append(text)
+            taken.add(key)
+    longest = longest_sequence(arch, pool, layer_bytes, block, eng.max_model_len)
     if longest >= block:
         fixes.append(f"lower spec.engine.maxModelLen to {_fmt_int(longest)}")
     return Problem(
@@ -433,3 +459,18 @@ def _max_len_problem(
         "(vLLM refuses to start; offload tiers cannot hold a running sequence)",
         tuple(fixes),
     )
+
+
+def _merged(spec: InferenceClusterSpec, change: dict[str, Any]) -> InferenceClusterSpec:
+    def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+        out = dict(base)
+        for k, v in over.items():
+            out[k] = merge(out.get(k) or {}, v) if isinstance(v, dict) else v
+        return out
+
+    return InferenceClusterSpec.model_validate(merge(spec.wire(), change))
+
+
+def plan_fits(spec: InferenceClusterSpec) -> bool:
+    """Whether a spec plans feasibly, without suggesting fixes (used to verify each suggested fix)."""
+    return plan(spec, suggest_fixes=False).feasible
