@@ -27,6 +27,17 @@ from kvstrata.localcluster import versions
 
 STAMP = ".stamp.json"
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kwok", "helm")
+# The kwok binary ships no default behaviour: without Stage objects it refuses to start. These are
+# the stages `kwokctl` uses (fast node init, heartbeat with leases, fast pod lifecycle), copied
+# from the kwok module that the Go proxy served for the build.
+KWOK_STAGES = "kwok-stages.yaml"
+KWOK_STAGE_FILES = (
+    "kustomize/stage/node/fast/node-initialize.yaml",
+    "kustomize/stage/node/heartbeat-with-lease/node-heartbeat-with-lease.yaml",
+    "kustomize/stage/pod/fast/pod-ready.yaml",
+    "kustomize/stage/pod/fast/pod-complete.yaml",
+    "kustomize/stage/pod/fast/pod-delete.yaml",
+)
 
 
 class BuildError(RuntimeError):
@@ -123,9 +134,18 @@ def run(cmd: list[str], cwd: Path, log: Path, env: dict[str, str]) -> str:
     return proc.stdout
 
 
-def module_go_mod(module: str, version: str, log: Path, env: dict[str, str], cwd: Path) -> str:
+def module_download(module: str, version: str, log: Path, env: dict[str, str], cwd: Path) -> dict[str, str]:
+    """`go mod download -json`: paths of the module's go.mod (GoMod) and unpacked source (Dir)."""
     out = run([str(versions.GO), "mod", "download", "-json", f"{module}@{version}"], cwd, log, env)
-    return Path(json.loads(out)["GoMod"]).read_text()
+    return dict(json.loads(out))
+
+
+def write_kwok_stages(out: Path, log: Path, env: dict[str, str], cwd: Path) -> Path:
+    src = Path(module_download("sigs.k8s.io/kwok", versions.KWOK, log, env, cwd)["Dir"])
+    docs = [(src / f).read_text().strip() for f in KWOK_STAGE_FILES]
+    target = out / KWOK_STAGES
+    target.write_text("\n---\n".join(docs) + "\n")
+    return target
 
 
 def components(kubernetes_go_mod: str) -> list[Component]:
@@ -211,7 +231,14 @@ def build_component(c: Component, src: Path, out: Path, log: Path, env: dict[str
 
 
 def is_built(bin_dir: Path) -> bool:
-    return (bin_dir / STAMP).is_file() and all((bin_dir / b).is_file() for b in BINARIES)
+    return (bin_dir / STAMP).is_file() and all((bin_dir / b).is_file() for b in (*BINARIES, KWOK_STAGES))
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return dict(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return None
 
 
 def du_bytes(path: Path) -> int:
@@ -240,7 +267,9 @@ def build(force: bool = False, keep_gocache: bool = False) -> Path:
         f"building control plane ({versions.build_key()}) into {out}; log {log}", file=sys.stderr, flush=True
     )
     started = time.monotonic()
-    k8s_mod = module_go_mod("k8s.io/kubernetes", versions.KUBERNETES, log, env, src)
+    k8s_mod = Path(
+        module_download("k8s.io/kubernetes", versions.KUBERNETES, log, env, src)["GoMod"]
+    ).read_text()
     timings: dict[str, float] = {}
     for comp in components(k8s_mod):
         if (
@@ -250,14 +279,21 @@ def build(force: bool = False, keep_gocache: bool = False) -> Path:
         ):
             continue
         timings[comp.name] = round(build_component(comp, src, out, log, env), 1)
+        partial = _read_json(root / "partial-timings.json") or {"seconds_by_component": {}}
+        partial["seconds_by_component"][comp.name] = timings[comp.name]
+        (root / "partial-timings.json").write_text(json.dumps(partial) + "\n")
         (src / comp.name / ".done").write_text("ok\n")
+    write_kwok_stages(out, log, env, src)
     gocache_bytes = du_bytes(gocache)
     if not keep_gocache:
         shutil.rmtree(gocache, ignore_errors=True)
+    previous = _read_json(out / STAMP) or _read_json(root / "partial-timings.json") or {}
+    timings = {**previous.get("seconds_by_component", {}), **timings}
     stamp = {
         "key": versions.build_key(),
         "built_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "seconds_total": round(time.monotonic() - started, 1),
+        "seconds_total": round(sum(timings.values()), 1),
+        "seconds_this_run": round(time.monotonic() - started, 1),
         "seconds_by_component": timings,
         "bin_bytes": du_bytes(out),
         "gocache_bytes_during_build": gocache_bytes,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvstrata.localcluster.build import KWOK_STAGES
 from kvstrata.localcluster.layout import SERVICE_CIDR, Layout
 
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
@@ -104,6 +105,7 @@ def kwok(bin_dir: Path, layout: Layout, ports: dict[str, int]) -> list[str]:
     return [
         str(bin_dir / "kwok"),
         f"--kubeconfig={layout.component_kubeconfig('kwok')}",
+        f"--config={bin_dir / KWOK_STAGES}",
         "--manage-all-nodes=true",
         f"--cidr={KWOK_FALLBACK_CIDR}",
         # the node address (also each pod's hostIP) stays on loopback: nothing may dial elsewhere
