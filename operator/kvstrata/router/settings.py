@@ -44,6 +44,7 @@ class Weights(_Wire):
     prefix: float = Field(1.0, ge=0)
     load: float = Field(0.5, ge=0)
     kv_usage: float = Field(0.2, ge=0)
+    session: float = Field(2.0, ge=0, description="Only when session_header is set and present")
 
 
 class TierWeights(_Wire):
@@ -63,11 +64,31 @@ class RouterSettings(_Wire):
     policy: Policy = "kv-aware"
     weights: Weights = Field(default_factory=Weights)
     tier_weights: TierWeights = Field(default_factory=TierWeights)
-    bounded_load_factor: float = Field(1.5, ge=1.0, description="No endpoint gets more than this × mean in-flight")
-    session_header: str | None = Field(None, description="Optional header for session affinity, e.g. x-session-id")
+    bounded_load_factor: float = Field(
+        1.5, ge=1.0, description="No endpoint gets more than this × mean in-flight"
+    )
+    session_header: str | None = Field(
+        None, description="Optional header for session affinity, e.g. x-session-id"
+    )
     prediction_ttl_seconds: float = Field(5.0, gt=0)
     max_index_blocks: int = Field(2_000_000, gt=0, description="Bound on indexed (endpoint, block) entries")
-    max_retries: int = Field(2, ge=0, description="Other endpoints tried on connect error/5xx before first byte")
+    max_retries: int = Field(
+        2, ge=0, description="Other endpoints tried on connect error/5xx before first byte"
+    )
     upstream_timeout_seconds: float = Field(600.0, gt=0)
     connect_timeout_seconds: float = Field(3.0, gt=0)
     discovery: Discovery = Field(default_factory=Discovery)
+    # Added by the router (defaults keep older router.json files valid).
+    scrape_interval_seconds: float = Field(1.0, gt=0, description="Engine /metrics scrape period")
+    remote_tokenize: bool = Field(
+        True, description="Without a local tokenizer, ask an engine's /tokenize (else character blocks)"
+    )
+    approx_chunk_chars: int | None = Field(
+        None, gt=0, description="Character-block size of the fallback index; default 4 × block_size"
+    )
+    approx_ttl_seconds: float = Field(
+        300.0, gt=0, description="How long the fallback index remembers a route"
+    )
+    prefix_hash_blocks: int = Field(1, ge=1, description="prefix-hash policy: blocks that form the hash key")
+    max_upstream_connections: int = Field(2048, ge=1, description="Pooled keep-alive connections to engines")
+    tokenizer_threads: int = Field(2, ge=1, description="Thread pool for tokenization and hashing")

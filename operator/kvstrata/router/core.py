@@ -1,0 +1,313 @@
+"""The routing brain: prompt → block hashes → index lookup → policy → ranked endpoints.
+
+Everything here runs on the event loop except tokenization and hashing of long prompts, which go to a
+small thread pool (``tokenizers`` and ``hashlib`` release the GIL), so the data path never blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from kvstrata.router.hashing import block_hashes, char_block_hashes, check_algo
+from kvstrata.router.index import BlockIndex, PrefixMatch
+from kvstrata.router.metrics import RouterMetrics
+from kvstrata.router.pool import Endpoint, EndpointPool
+from kvstrata.router.prompts import ChatTemplateError, LocalTokenizer, chat_template_kwargs
+from kvstrata.router.requests import ParsedRequest
+from kvstrata.router.scoring import (
+    BoundedLoadFilter,
+    KvUsageScorer,
+    LoadScorer,
+    PrefixScorer,
+    Ranked,
+    RouteRequest,
+    Scorer,
+    SessionScorer,
+    pick,
+    rendezvous,
+)
+from kvstrata.router.settings import RouterSettings
+
+log = logging.getLogger("kvstrata.router.route")
+
+# Prompts up to this many blocks are hashed inline: cheaper than a thread hop.
+_INLINE_HASH_BLOCKS = 8
+_INLINE_CHARS = 16_384
+_TOKEN_CACHE_SIZE = 4096
+_REMOTE_TOKENIZE_BACKOFF_S = 60.0
+
+
+class NoEndpoints(Exception):
+    pass
+
+
+@dataclass(slots=True)
+class Decision:
+    order: list[Endpoint]
+    reason: str
+    hashes: Sequence[int] = ()
+    approximate: bool = False
+    matches: dict[str, PrefixMatch] = field(default_factory=dict)
+    prompt_tokens: int | None = None
+    ranked: list[Ranked] | None = None
+
+    def predicted_cached_tokens(self, ep: Endpoint, block_size: int) -> int:
+        if self.approximate:
+            return 0
+        m = self.matches.get(ep.url)
+        return m.blocks * block_size if m else 0
+
+
+class Router:
+    def __init__(
+        self,
+        settings: RouterSettings,
+        metrics: RouterMetrics,
+        session: aiohttp.ClientSession | None = None,
+        tokenizer: LocalTokenizer | None = None,
+    ) -> None:
+        check_algo(settings.hash_algo)
+        self.settings = settings
+        self.metrics = metrics
+        self.session = session
+        self.pool = EndpointPool()
+        self.index = BlockIndex(settings.max_index_blocks)
+        # Character-block routes are only our own predictions, remembered for approx_ttl_seconds.
+        self.approx = BlockIndex(max(1, settings.max_index_blocks // 4))
+        if tokenizer is None and settings.tokenizer:
+            tokenizer = LocalTokenizer(settings.tokenizer)
+        self.tokenizer = tokenizer
+        self.executor = ThreadPoolExecutor(settings.tokenizer_threads, thread_name_prefix="kvstrata-tok")
+        self.chunk_chars = settings.approx_chunk_chars or 4 * settings.block_size
+        w = settings.weights
+        self.scorers: list[tuple[Scorer, float]] = [
+            (PrefixScorer(settings.tier_weights), w.prefix),
+            (LoadScorer(), w.load),
+            (KvUsageScorer(), w.kv_usage),
+            (SessionScorer(), w.session if settings.session_header else 0.0),
+        ]
+        self.bounded = BoundedLoadFilter(settings.bounded_load_factor)
+        self._rr = 0
+        self._token_cache: OrderedDict[str, tuple[int, list[int]]] = OrderedDict()
+        self._remote_off_until = 0.0
+        self.pool.subscribe(lambda ep: None, self._forget)
+        metrics.bind_index(lambda: len(self.index), lambda: self.index.evictions)
+        metrics.bind_endpoints(
+            lambda: len(self.pool.healthy()), lambda: len(self.pool) - len(self.pool.healthy())
+        )
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def _forget(self, ep: Endpoint) -> None:
+        self.index.drop_endpoint(ep.url)
+        self.approx.drop_endpoint(ep.url)
+
+    def mark_down(self, ep: Endpoint) -> None:
+        """An engine that refuses connections lost its cache (or will have when it is back)."""
+        if ep.healthy:
+            log.warning("endpoint %s down; dropping its index entries", ep.url)
+        ep.healthy = False
+        self._forget(ep)
+
+    # --- prompt → hashes -------------------------------------------------------------------------
+    def _hash_tokens(self, ids: Sequence[int]) -> tuple[int, list[int]]:
+        return len(ids), block_hashes(ids, self.settings.block_size)
+
+    def _hash_completion(self, text: str) -> tuple[int, list[int]]:
+        assert self.tokenizer is not None
+        return self._hash_tokens(self.tokenizer.encode_completion(text))
+
+    def _hash_chat(self, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> tuple[int, list[int]]:
+        assert self.tokenizer is not None
+        return self._hash_tokens(self.tokenizer.encode_chat(messages, **kwargs))
+
+    async def _offload(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def prompt_hashes(
+        self, req: ParsedRequest, candidates: Sequence[Endpoint]
+    ) -> tuple[list[int], bool, int | None]:
+        """(block hashes, approximate?, prompt tokens). Engine hashes when tokens can be had, else
+        character blocks (every such fallback is counted by cause)."""
+        bs = self.settings.block_size
+        if req.token_ids is not None:
+            ids = req.token_ids
+            if len(ids) <= _INLINE_HASH_BLOCKS * bs:
+                n, hashes = self._hash_tokens(ids)
+            else:
+                n, hashes = await self._offload(self._hash_tokens, ids)
+            return hashes, False, n
+        if self.tokenizer is not None:
+            try:
+                if req.text is not None:
+                    cached = self._token_cache.get(req.text)
+                    if cached is not None:
+                        self._token_cache.move_to_end(req.text)
+                        return cached[1], False, cached[0]
+                    n, hashes = await self._offload(self._hash_completion, req.text)
+                    self._token_cache[req.text] = (n, hashes)
+                    if len(self._token_cache) > _TOKEN_CACHE_SIZE:
+                        self._token_cache.popitem(last=False)
+                    return hashes, False, n
+                assert req.messages is not None
+                n, hashes = await self._offload(self._hash_chat, req.messages, chat_template_kwargs(req.body))
+                return hashes, False, n
+            except ChatTemplateError as exc:
+                log.debug("chat template failed, falling back: %s", exc)
+                return await self._fallback(req, "chat_template")
+        if (
+            self.settings.remote_tokenize
+            and self.session is not None
+            and time.monotonic() >= self._remote_off_until
+        ):
+            ids = await self._remote_tokens(req, candidates)
+            if ids is not None:
+                n, hashes = (
+                    self._hash_tokens(ids)
+                    if len(ids) <= _INLINE_HASH_BLOCKS * bs
+                    else await self._offload(self._hash_tokens, ids)
+                )
+                return hashes, False, n
+            return await self._fallback(req, "remote_tokenize_failed")
+        return await self._fallback(req, "no_tokenizer")
+
+    async def _fallback(self, req: ParsedRequest, reason: str) -> tuple[list[int], bool, int | None]:
+        self.metrics.fallbacks.labels(reason).inc()
+        text = req.routing_text()
+        if len(text) <= _INLINE_CHARS:
+            return char_block_hashes(text, self.chunk_chars), True, None
+        return await self._offload(char_block_hashes, text, self.chunk_chars), True, None
+
+    async def _remote_tokens(self, req: ParsedRequest, candidates: Sequence[Endpoint]) -> list[int] | None:
+        assert self.session is not None
+        if not candidates:
+            return None
+        ep = min(candidates, key=lambda e: e.load)
+        body: dict[str, Any] = {"model": req.model}
+        if req.text is not None:
+            body["prompt"] = req.text
+        else:
+            body["messages"] = req.messages
+            body.update(chat_template_kwargs(req.body))
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.settings.connect_timeout_seconds * 2)
+            async with self.session.post(ep.url + "/tokenize", json=body, timeout=timeout) as resp:
+                if resp.status == 404:
+                    # The engine has no /tokenize (not vLLM): stop asking for a while.
+                    self._remote_off_until = time.monotonic() + _REMOTE_TOKENIZE_BACKOFF_S
+                    return None
+                if resp.status != 200:
+                    return None
+                data = await resp.json()
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            log.debug("remote tokenize on %s failed: %s", ep.url, exc)
+            return None
+        tokens = data.get("tokens") if isinstance(data, dict) else None
+        return tokens if isinstance(tokens, list) else None
+
+    # --- decisions -------------------------------------------------------------------------------
+    def candidates(self) -> list[Endpoint]:
+        eps = self.pool.healthy()
+        if eps:
+            return eps
+        # Health is a belief; if every endpoint looks down, still try them rather than refuse.
+        return self.pool.all()
+
+    async def decide(self, req: ParsedRequest, session_id: str | None = None) -> Decision:
+        t0 = time.perf_counter()
+        eps = self.candidates()
+        if not eps:
+            raise NoEndpoints("no engine endpoints are known to the router")
+        policy = self.settings.policy
+        if policy == "kv-aware":
+            decision = await self._kv_aware(req, eps, session_id)
+        elif policy == "prefix-hash":
+            key = self._prefix_key(req)
+            order = sorted(eps, key=lambda ep: -rendezvous(key, ep.url))
+            decision = Decision(order, "prefix-hash")
+        elif policy == "least-load":
+            self._rr += 1
+            n = len(eps)
+            ranked_eps = sorted(range(n), key=lambda i: (eps[i].load, (i - self._rr) % n))
+            decision = Decision([eps[i] for i in ranked_eps], "least-load")
+        else:
+            self._rr += 1
+            k = self._rr % len(eps)
+            decision = Decision(eps[k:] + eps[:k], "round-robin")
+        self.metrics.decided(decision.reason)
+        self.metrics.routing_seconds.observe(time.perf_counter() - t0)
+        return decision
+
+    def _prefix_key(self, req: ParsedRequest) -> bytes:
+        if req.token_ids is not None:
+            n = self.settings.block_size * self.settings.prefix_hash_blocks
+            return b",".join(str(t).encode() for t in req.token_ids[:n])
+        return req.routing_text()[: self.chunk_chars * self.settings.prefix_hash_blocks].encode()
+
+    async def _kv_aware(self, req: ParsedRequest, eps: list[Endpoint], session_id: str | None) -> Decision:
+        hashes, approximate, n_tokens = await self.prompt_hashes(req, eps)
+        if n_tokens is not None:
+            self.metrics.prompt_tokens.inc(n_tokens)
+        matches = (self.approx if approximate else self.index).lookup(hashes)
+        tie_key = hashes[0].to_bytes(8, "big") if hashes else self._prefix_key(req)
+        rreq = RouteRequest(hashes, matches, tie_key, session_id, approximate)
+        kept = self.bounded.filter(rreq, eps)
+        ranked = pick(rreq, kept, self.scorers)
+        order = [r.endpoint for r in ranked]
+        dropped = sorted((ep for ep in eps if ep not in kept), key=lambda ep: ep.load)
+        order += dropped  # still worth a retry if everything better fails
+        reason = self._reason(ranked, matches, dropped, approximate)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "route reason=%s blocks=%d approx=%s -> %s | %s",
+                reason,
+                len(hashes),
+                approximate,
+                ranked[0].endpoint.url,
+                "; ".join(
+                    f"{r.endpoint.url} total={r.total:.3f} "
+                    + " ".join(f"{k}={v:.3f}" for k, v in r.scores.items())
+                    + f" match={matches.get(r.endpoint.url, PrefixMatch(0)).blocks}"
+                    for r in ranked
+                ),
+            )
+        return Decision(order, reason, hashes, approximate, matches, n_tokens, ranked)
+
+    def _reason(
+        self,
+        ranked: list[Ranked],
+        matches: dict[str, PrefixMatch],
+        dropped: list[Endpoint],
+        approximate: bool,
+    ) -> str:
+        win = ranked[0]
+        best = max((m.blocks for m in matches.values()), default=0)
+        won = matches.get(win.endpoint.url)
+        if best and won is not None and won.blocks == best:
+            return "approx-prefix" if approximate else "prefix"
+        if win.scores.get("session") == 1.0:
+            return "session"
+        if best and any(matches.get(ep.url) for ep in dropped):
+            return "bounded-load"
+        if len(ranked) > 1 and ranked[1].total < win.total - 1e-9:
+            return "load"
+        return "tie-hash"
+
+    def commit(self, decision: Decision, ep: Endpoint) -> None:
+        """Called when a request is sent to ``ep``: its prompt blocks will be cached there soon."""
+        if not decision.hashes:
+            return
+        if decision.approximate:
+            self.approx.predict(ep.url, decision.hashes, self.settings.approx_ttl_seconds)
+        else:
+            self.index.predict(ep.url, decision.hashes, self.settings.prediction_ttl_seconds)

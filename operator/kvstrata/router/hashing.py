@@ -1,0 +1,78 @@
+"""Block hashes exactly as vLLM computes them, and an approximate character-block fallback.
+
+vLLM 0.32.0 with ``--prefix-caching-hash-algo sha256`` (the default) hashes each *full* block of
+token ids, chained to its parent:
+
+    NONE = sha256(pickle.dumps("vllm-none-hash", protocol=5))
+    h_i  = sha256(pickle.dumps((h_{i-1} or NONE, tuple(tokens_i), extra_keys_i), protocol=5))
+
+and publishes ``int.from_bytes(h_i, "big") & (2**64 - 1)`` in KV events. The full 32-byte digest is
+what chains, so a router must keep it while walking a prompt; the index only stores the 64-bit form.
+The xxhash variants are seeded per process unless PYTHONHASHSEED is set, so they are not reproducible
+from outside the engine; we refuse them instead of routing on hashes that never match.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections.abc import Sequence
+
+_MASK64 = (1 << 64) - 1
+NONE_HASH: bytes = hashlib.sha256(pickle.dumps("vllm-none-hash", protocol=5)).digest()
+SUPPORTED_ALGOS = ("sha256",)
+
+
+class UnsupportedHashAlgo(ValueError):
+    pass
+
+
+def check_algo(algo: str) -> None:
+    if algo not in SUPPORTED_ALGOS:
+        raise UnsupportedHashAlgo(
+            f"hash algorithm {algo!r} cannot be reproduced outside the engine "
+            f"(supported: {', '.join(SUPPORTED_ALGOS)}); run engines with --prefix-caching-hash-algo sha256"
+        )
+
+
+def to_external(digest: bytes) -> int:
+    """The 64-bit value vLLM puts in KV events for a block digest."""
+    return int.from_bytes(digest, "big") & _MASK64
+
+
+def normalize_hash(value: int | bytes) -> int:
+    """KV events carry ints (0.32.0) or raw digests (some builds/peers): map both to the 64-bit int."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        return int.from_bytes(bytes(value), "big") & _MASK64
+    return int(value) & _MASK64
+
+
+def block_digests(tokens: Sequence[int], block_size: int, parent: bytes | None = None) -> list[bytes]:
+    """Chained sha256 digests of every full block of ``tokens`` (a partial tail block is not hashed)."""
+    prev = parent or NONE_HASH
+    out: list[bytes] = []
+    dumps, sha = pickle.dumps, hashlib.sha256
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        prev = sha(dumps((prev, tuple(tokens[start : start + block_size]), None), protocol=5)).digest()
+        out.append(prev)
+    return out
+
+
+def block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
+    """The 64-bit block hashes vLLM would publish for a prompt of ``tokens``."""
+    return [to_external(d) for d in block_digests(tokens, block_size)]
+
+
+def char_block_hashes(text: str, chunk_chars: int, max_blocks: int | None = None) -> list[int]:
+    """Approximate prefix identity when token ids are unavailable: chained hashes of character chunks.
+
+    They never match engine hashes; they only let the router remember where it sent a prefix."""
+    out: list[int] = []
+    prev = b"kvstrata-char-blocks"
+    limit = len(text) - chunk_chars + 1
+    for start in range(0, max(limit, 0), chunk_chars):
+        if max_blocks is not None and len(out) >= max_blocks:
+            break
+        prev = hashlib.blake2b(prev + text[start : start + chunk_chars].encode(), digest_size=16).digest()
+        out.append(to_external(prev))
+    return out

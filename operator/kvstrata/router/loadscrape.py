@@ -1,0 +1,117 @@
+"""Engine load and health from each engine's Prometheus ``/metrics``, scraped in the background.
+
+Only three gauges matter for routing (vLLM 0.32.0 names): ``vllm:num_requests_running``,
+``vllm:num_requests_waiting`` and ``vllm:kv_cache_usage_perc`` (a 0..1 fraction despite the name).
+A full Prometheus parser is not needed for that; a line scan is cheap and tolerant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+
+from kvstrata.router.pool import Endpoint, EndpointPool
+
+log = logging.getLogger("kvstrata.router.scrape")
+
+_GAUGES = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+}
+# An endpoint is marked unhealthy after this many failed scrapes in a row (a proxy connect error marks
+# it at once); one success marks it healthy again.
+UNHEALTHY_AFTER = 2
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+
+
+def parse_load(text: str) -> EngineLoad:
+    """Sum each gauge over its label sets (one per engine core / DP rank); KV usage is the max."""
+    vals = {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name, _, rest = line.partition("{")
+        if not rest:
+            name, _, rest = line.partition(" ")
+            value_text = rest
+        else:
+            value_text = rest.rpartition("}")[2]
+        field = _GAUGES.get(name.strip())
+        if field is None:
+            continue
+        try:
+            value = float(value_text.split()[0])
+        except (IndexError, ValueError):
+            continue
+        vals[field] = max(vals[field], value) if field == "kv_usage" else vals[field] + value
+    return EngineLoad(**vals)
+
+
+class LoadScraper:
+    """Scrapes every endpoint concurrently every ``interval`` seconds and updates it in place."""
+
+    def __init__(
+        self, pool: EndpointPool, session: aiohttp.ClientSession, interval: float = 1.0, timeout: float = 2.0
+    ) -> None:
+        self.pool = pool
+        self.session = session
+        self.interval = interval
+        self.timeout = aiohttp.ClientTimeout(total=timeout)
+        self._task: asyncio.Task[None] | None = None
+        # Called when an endpoint turns unhealthy (the router drops its index entries).
+        self.on_down: Callable[[Endpoint], None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="load-scraper")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def scrape_all(self) -> None:
+        eps = self.pool.all()
+        if eps:
+            await asyncio.gather(*(self.scrape(ep) for ep in eps))
+
+    async def _run(self) -> None:
+        while True:
+            await self.scrape_all()
+            await asyncio.sleep(self.interval)
+
+    async def scrape(self, ep: Endpoint) -> None:
+        try:
+            async with self.session.get(ep.url + "/metrics", timeout=self.timeout) as resp:
+                text = await resp.text() if resp.status == 200 else ""
+                reachable = resp.status < 500
+        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError) as exc:
+            log.debug("scrape %s failed: %s", ep.url, exc)
+            reachable, text = False, ""
+        if not reachable:
+            ep.failures += 1
+            if ep.failures >= UNHEALTHY_AFTER and ep.healthy:
+                log.warning("endpoint %s unhealthy (%d failed scrapes)", ep.url, ep.failures)
+                ep.healthy = False
+                if self.on_down is not None:
+                    self.on_down(ep)
+            return
+        if not ep.healthy:
+            log.info("endpoint %s healthy again", ep.url)
+        ep.failures = 0
+        ep.healthy = True
+        if text:
+            load = parse_load(text)
+            ep.running, ep.waiting, ep.kv_usage, ep.scraped = load.running, load.waiting, load.kv_usage, True

@@ -1,0 +1,170 @@
+"""``kvstrata router``: run the KV-cache-aware prefix-affinity router.
+
+    kvstrata router --config /etc/kvstrata/router.json
+    kvstrata router --model tiny --tokenizer ./tiny-llama --block-size 32 \\
+        --endpoint http://127.0.0.1:8001,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558
+
+Flags override the config file; ``--endpoint`` (repeatable) replaces its endpoint list with a static one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from kvstrata.router.hashing import UnsupportedHashAlgo
+from kvstrata.router.prompts import ChatTemplateError, TokenizerLoadError
+from kvstrata.router.settings import RouterSettings, StaticEndpoint
+
+log = logging.getLogger("kvstrata.router")
+
+
+class UsageError(ValueError):
+    pass
+
+
+def parse_endpoint(value: str) -> StaticEndpoint:
+    """``URL[,events=tcp://H:P][,replay=tcp://H:P]``."""
+    url, *opts = [part.strip() for part in value.split(",")]
+    if not url.startswith(("http://", "https://")):
+        raise UsageError(f"--endpoint {value!r}: the first part must be an http(s) URL")
+    fields: dict[str, str] = {}
+    for opt in opts:
+        key, sep, val = opt.partition("=")
+        if not sep or key not in ("events", "replay") or not val.startswith("tcp://"):
+            raise UsageError(
+                f"--endpoint {value!r}: expected events=tcp://HOST:PORT or replay=tcp://HOST:PORT, got {opt!r}"
+            )
+        fields[key] = val
+    if "replay" in fields and "events" not in fields:
+        raise UsageError(f"--endpoint {value!r}: replay= needs events=")
+    return StaticEndpoint(url=url.rstrip("/"), kv_events=fields.get("events"), kv_replay=fields.get("replay"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvstrata router", description="KV-cache-aware prefix-affinity router")
+    p.add_argument("--config", type=Path, help="router.json (RouterSettings, camelCase keys)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--model", help="served model name")
+    p.add_argument("--tokenizer", help="directory with the engine's tokenizer.json (+ tokenizer_config.json)")
+    p.add_argument("--block-size", type=int)
+    p.add_argument("--policy", choices=["kv-aware", "prefix-hash", "least-load", "round-robin"])
+    p.add_argument(
+        "--endpoint",
+        action="append",
+        default=[],
+        metavar="URL[,events=tcp://H:P][,replay=tcp://H:P]",
+        help="static engine endpoint (repeatable); replaces discovery from the config",
+    )
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def load_settings(args: argparse.Namespace) -> RouterSettings:
+    data: dict[str, Any] = {}
+    if args.config is not None:
+        try:
+            data = json.loads(args.config.read_text())
+        except OSError as exc:
+            raise UsageError(f"cannot read --config {args.config}: {exc.strerror or exc}") from None
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"--config {args.config} is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise UsageError(f"--config {args.config} must hold a JSON object")
+    overrides = {
+        "model": args.model,
+        "tokenizer": args.tokenizer,
+        "blockSize": args.block_size,
+        "policy": args.policy,
+    }
+    for key, value in overrides.items():
+        if value is not None:
+            data.pop(_snake(key), None)
+            data[key] = value
+    if args.endpoint:
+        eps = [parse_endpoint(e).model_dump(by_alias=True) for e in args.endpoint]
+        disc = dict(data.get("discovery") or {})
+        disc.pop("service", None)
+        disc["static"] = eps
+        data["discovery"] = disc
+    if "model" not in data:
+        raise UsageError('the served model name is required: --model NAME or "model" in --config')
+    return RouterSettings.model_validate(data)
+
+
+def _snake(camel: str) -> str:
+    return "".join("_" + c.lower() if c.isupper() else c for c in camel)
+
+
+def _explain(exc: ValidationError) -> str:
+    lines = [f"  {'.'.join(str(p) for p in e['loc']) or '(root)'}: {e['msg']}" for e in exc.errors()]
+    return "invalid router settings:\n" + "\n".join(lines)
+
+
+async def run(settings: RouterSettings, host: str, port: int) -> None:
+    from kvstrata.router.service import RouterService
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    async with RouterService(settings) as svc:
+        await svc.serve(host, port)
+        assert svc.router is not None
+        log.info(
+            "kvstrata router on %s:%d: model %s, policy %s, block size %d, %d endpoint(s), tokenizer %s",
+            host,
+            port,
+            settings.model,
+            settings.policy,
+            settings.block_size,
+            len(svc.router.pool),
+            settings.tokenizer
+            or ("engine /tokenize" if settings.remote_tokenize else "none (character blocks)"),
+        )
+        await stop.wait()
+        log.info("shutting down")
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = load_settings(args)
+    except UsageError as exc:
+        print(f"kvstrata router: {exc}", file=sys.stderr)
+        return 2
+    except ValidationError as exc:
+        print(f"kvstrata router: {_explain(exc)}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+
+        runner: Any = uvloop.run
+    except ImportError:  # uvloop is optional at runtime (e.g. on platforms without wheels)
+        runner = asyncio.run
+    try:
+        runner(run(settings, args.host, args.port))
+    except (TokenizerLoadError, ChatTemplateError, UnsupportedHashAlgo) as exc:
+        print(f"kvstrata router: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(
+            f"kvstrata router: cannot serve on {args.host}:{args.port}: {exc.strerror or exc}",
+            file=sys.stderr,
+        )
+        return 1
+    except KeyboardInterrupt:
+        pass
+    return 0

@@ -1,0 +1,115 @@
+"""The router's Prometheus metrics (``kvstrata_router_*``), on a registry of its own so that tests and
+embedded routers never collide in the process-global one.
+
+The operator reads ``kvstrata_router_decisions_total`` (by reason), ``kvstrata_router_affinity_share``
+and ``kvstrata_router_fallbacks_total`` into the InferenceCluster status.
+
+``actual cached tokens`` comes from ``usage.prompt_tokens_details.cached_tokens`` in engine responses,
+which vLLM includes only when it runs with ``--enable-prompt-tokens-details``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+AFFINITY_REASONS = frozenset({"prefix", "approx-prefix"})
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        p = "kvstrata_router"
+        self.requests = Counter(
+            f"{p}_requests", "Proxied requests by endpoint and outcome", ["endpoint", "outcome"], registry=r
+        )
+        self.bad_requests = Counter(
+            f"{p}_bad_requests", "Requests refused with a 4xx", ["reason"], registry=r
+        )
+        self.decisions = Counter(f"{p}_decisions", "Routing decisions by reason", ["reason"], registry=r)
+        self.affinity_share = Gauge(
+            f"{p}_affinity_share", "Share of decisions decided by a cached-prefix overlap", registry=r
+        )
+        self.prompt_tokens = Counter(f"{p}_prompt_tokens", "Prompt tokens of routed requests", registry=r)
+        self.predicted_cached_tokens = Counter(
+            f"{p}_predicted_cached_tokens",
+            "Cached prompt tokens the index predicted on the chosen endpoint",
+            registry=r,
+        )
+        self.actual_cached_tokens = Counter(
+            f"{p}_actual_cached_tokens",
+            "Cached prompt tokens engines reported (usage.prompt_tokens_details; needs --enable-prompt-tokens-details)",
+            registry=r,
+        )
+        self.actual_cached_reports = Counter(
+            f"{p}_actual_cached_reports", "Responses that reported cached_tokens", registry=r
+        )
+        self.fallbacks = Counter(
+            f"{p}_fallbacks",
+            "Requests routed on approximate character blocks, by cause",
+            ["reason"],
+            registry=r,
+        )
+        self.retries = Counter(
+            f"{p}_retries", "Attempts on a next-best endpoint, by cause", ["reason"], registry=r
+        )
+        self.upstream_latency = Histogram(
+            f"{p}_upstream_latency_seconds",
+            "Upstream request time until the response is complete",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            f"{p}_ttft_seconds", "Time to the first streamed byte from the engine", ["endpoint"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.routing_seconds = Histogram(
+            f"{p}_routing_seconds", "Time to decide (tokenize, hash, look up, score)",
+            buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5), registry=r,
+        )  # fmt: skip
+        self.index_blocks = Gauge(f"{p}_index_blocks", "Indexed (endpoint, block) entries", registry=r)
+        self.index_evictions = Gauge(
+            f"{p}_index_evictions", "Entries evicted by the index bound (monotonic)", registry=r
+        )
+        self.kv_events = Counter(f"{p}_kv_events", "KV events applied", ["endpoint", "type"], registry=r)
+        self.kv_event_lag = Gauge(
+            f"{p}_kv_event_lag_seconds",
+            "Age of the last KV event batch when applied",
+            ["endpoint"],
+            registry=r,
+        )
+        self.kv_event_gaps = Counter(f"{p}_kv_event_gaps", "Sequence gaps detected", ["endpoint"], registry=r)
+        self.kv_event_replays = Counter(
+            f"{p}_kv_event_replays", "Replay requests by result", ["endpoint", "result"], registry=r
+        )
+        self.kv_event_errors = Counter(
+            f"{p}_kv_event_errors", "Undecodable KV event messages", ["endpoint"], registry=r
+        )
+        self.engine_restarts = Counter(
+            f"{p}_engine_restarts", "Event sequence restarts (engine restarted)", ["endpoint"], registry=r
+        )
+        self.endpoints = Gauge(f"{p}_endpoints", "Endpoints by health", ["state"], registry=r)
+        self._affinity = 0
+        self._decided = 0
+        self._decision_children: dict[str, Counter] = {}
+
+    def decided(self, reason: str) -> None:
+        child = self._decision_children.get(reason)
+        if child is None:
+            child = self._decision_children[reason] = self.decisions.labels(reason)
+        child.inc()
+        self._decided += 1
+        if reason in AFFINITY_REASONS:
+            self._affinity += 1
+        self.affinity_share.set(self._affinity / self._decided)
+
+    def bind_index(self, size: Callable[[], float], evictions: Callable[[], float]) -> None:
+        self.index_blocks.set_function(size)
+        self.index_evictions.set_function(evictions)
+
+    def bind_endpoints(self, healthy: Callable[[], float], unhealthy: Callable[[], float]) -> None:
+        self.endpoints.labels("healthy").set_function(healthy)
+        self.endpoints.labels("unhealthy").set_function(unhealthy)

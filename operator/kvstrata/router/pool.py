@@ -1,0 +1,90 @@
+"""The set of engine endpoints and their live state (health, in-flight requests, scraped load)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointSpec:
+    """How to reach one engine: HTTP base URL (its identity), KV-event PUB and replay ROUTER sockets."""
+
+    url: str
+    kv_events: str | None = None
+    kv_replay: str | None = None
+
+
+@dataclass(eq=False, slots=True)
+class Endpoint:
+    spec: EndpointSpec
+    healthy: bool = True
+    in_flight: int = 0
+    # From the engine's /metrics (0 until the first scrape; engines without /metrics stay at 0).
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    failures: int = 0
+    scraped: bool = False
+    extra: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    @property
+    def load(self) -> float:
+        """Requests the engine is working on or will: ours in flight, and what it reports queued.
+
+        The engine's running count includes our in-flight requests, so take the larger of the two
+        views rather than the sum (the scrape lags; in-flight is exact for this router)."""
+        return max(float(self.in_flight), self.running) + self.waiting
+
+
+Listener = Callable[[Endpoint], None]
+
+
+class EndpointPool:
+    """Endpoints by URL. Discovery calls :meth:`replace`; listeners learn about adds and removals."""
+
+    def __init__(self) -> None:
+        self._eps: dict[str, Endpoint] = {}
+        self._on_add: list[Listener] = []
+        self._on_remove: list[Listener] = []
+
+    def subscribe(self, on_add: Listener, on_remove: Listener) -> None:
+        self._on_add.append(on_add)
+        self._on_remove.append(on_remove)
+
+    def __len__(self) -> int:
+        return len(self._eps)
+
+    def __contains__(self, url: object) -> bool:
+        return url in self._eps
+
+    def get(self, url: str) -> Endpoint | None:
+        return self._eps.get(url)
+
+    def all(self) -> list[Endpoint]:
+        return list(self._eps.values())
+
+    def healthy(self) -> list[Endpoint]:
+        return [ep for ep in self._eps.values() if ep.healthy]
+
+    def replace(self, specs: Iterable[EndpointSpec]) -> tuple[list[str], list[str]]:
+        """Make the pool exactly ``specs``; returns (added, removed) URLs.
+
+        An endpoint whose event sockets changed (same URL, new pod behind it) is removed and re-added
+        so its index entries and subscriber start fresh."""
+        wanted = {s.url: s for s in specs}
+        removed = [u for u, ep in self._eps.items() if u not in wanted or wanted[u] != ep.spec]
+        for url in removed:
+            ep = self._eps.pop(url)
+            for cb in self._on_remove:
+                cb(ep)
+        added = [u for u in wanted if u not in self._eps]
+        for url in added:
+            ep = self._eps[url] = Endpoint(wanted[url])
+            for cb in self._on_add:
+                cb(ep)
+        return added, removed

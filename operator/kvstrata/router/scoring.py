@@ -1,0 +1,142 @@
+"""Routing as plugins (llm-d style): filters drop endpoints, scorers rate the rest in [0, 1], a picker
+combines the weighted scores into a ranking. Each piece is a few lines and tested alone.
+
+All scorers see the same :class:`RouteRequest` (the prompt's block hashes and what the index knows
+about them) and the candidate endpoints, and return one score per candidate, in order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvstrata.router.index import PrefixMatch
+from kvstrata.router.pool import Endpoint
+from kvstrata.router.settings import TierWeights
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    hashes: Sequence[int] = ()
+    matches: dict[str, PrefixMatch] = field(default_factory=dict)
+    # Stable key for tie-breaks and consistent hashing: the first block's hash (or the prompt's start).
+    tie_key: bytes = b""
+    session: str | None = None
+    approximate: bool = False
+
+
+class Scorer(Protocol):
+    name: str
+
+    def score(self, req: RouteRequest, eps: Sequence[Endpoint]) -> list[float]: ...
+
+
+class Filter(Protocol):
+    name: str
+
+    def filter(self, req: RouteRequest, eps: Sequence[Endpoint]) -> list[Endpoint]: ...
+
+
+def rendezvous(key: bytes, url: str) -> int:
+    """Highest-random-weight hashing: stable across processes and router replicas."""
+    return int.from_bytes(hashlib.blake2b(key + url.encode(), digest_size=8).digest(), "big")
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixScorer:
+    """Share of the prompt's blocks an endpoint already holds, each block credited by its tier.
+
+    A predicted block (routed there moments ago, not yet confirmed) is credited like a GPU block:
+    that is where the engine will put it."""
+
+    tiers: TierWeights
+    name: str = "prefix"
+
+    def credit(self, m: PrefixMatch) -> float:
+        t = self.tiers
+        return (m.gpu + m.predicted) * t.gpu + m.cpu * t.cpu + m.storage * t.storage
+
+    def score(self, req: RouteRequest, eps: Sequence[Endpoint]) -> list[float]:
+        total = len(req.hashes)
+        top = max(self.tiers.gpu, self.tiers.cpu, self.tiers.storage)
+        if not total or top <= 0:
+            return [0.0] * len(eps)
+        none = PrefixMatch(0)
+        return [self.credit(req.matches.get(ep.url, none)) / (total * top) for ep in eps]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadScorer:
+    """Fewer requests running + waiting (and in flight from this router) scores higher."""
+
+    name: str = "load"
+
+    def score(self, req: RouteRequest, eps: Sequence[Endpoint]) -> list[float]:
+        loads = [ep.load for ep in eps]
+        worst = max(loads, default=0.0)
+        return [1.0 - load / (worst + 1.0) for load in loads]
+
+
+@dataclass(frozen=True, slots=True)
+class KvUsageScorer:
+    """Free KV cache: an engine near full evicts (and preempts) sooner."""
+
+    name: str = "kv_usage"
+
+    def score(self, req: RouteRequest, eps: Sequence[Endpoint]) -> list[float]:
+        return [1.0 - min(max(ep.kv_usage, 0.0), 1.0) for ep in eps]
+
+
+@dataclass(frozen=True, slots=True)
+class SessionScorer:
+    """Requests carrying the same session id prefer the same endpoint (rendezvous hash of the id)."""
+
+    name: str = "session"
+
+    def score(self, req: RouteRequest, eps: Sequence[Endpoint]) -> list[float]:
+        if not req.session or not eps:
+            return [0.0] * len(eps)
+        key = req.session.encode()
+        best = max(range(len(eps)), key=lambda i: rendezvous(key, eps[i].url))
+        return [1.0 if i == best else 0.0 for i in range(len(eps))]
+
+
+@dataclass(frozen=True, slots=True)
+class BoundedLoadFilter:
+    """Consistent hashing with bounded loads: no endpoint takes more than ``factor`` × its fair share
+    of this router's in-flight requests (counting the new one). Never filters everything out."""
+
+    factor: float
+    name: str = "bounded_load"
+
+    def filter(self, req: RouteRequest, eps: Sequence[Endpoint]) -> list[Endpoint]:
+        if len(eps) < 2:
+            return list(eps)
+        cap = math.ceil(self.factor * (sum(ep.in_flight for ep in eps) + 1) / len(eps))
+        kept = [ep for ep in eps if ep.in_flight + 1 <= cap]
+        return kept or list(eps)
+
+
+@dataclass(frozen=True, slots=True)
+class Ranked:
+    endpoint: Endpoint
+    total: float
+    scores: dict[str, float]
+
+
+def pick(req: RouteRequest, eps: Sequence[Endpoint], scorers: Sequence[tuple[Scorer, float]]) -> list[Ranked]:
+    """Rank endpoints by the weighted sum of scores; ties go to the rendezvous winner of the prompt's
+    first block, so equal candidates still keep one prefix in one place."""
+    per = [(s.name, w, s.score(req, eps)) for s, w in scorers if w > 0]
+    ranked = []
+    for i, ep in enumerate(eps):
+        scores = {name: vals[i] for name, _, vals in per}
+        total = sum(w * vals[i] for _, w, vals in per)
+        ranked.append(Ranked(ep, total, scores))
+    key = req.tie_key
+    # Round to keep float noise from defeating the tie-break.
+    ranked.sort(key=lambda r: (-round(r.total, 9), -rendezvous(key, r.endpoint.url)))
+    return ranked

@@ -1,0 +1,131 @@
+"""Wires the router's parts together: HTTP session, pool, index, subscribers, scraper, discovery.
+
+``RouterService`` is what ``kvstrata router`` runs and what tests embed:
+
+    async with RouterService(settings) as svc:
+        runner = await svc.serve("127.0.0.1", 8080)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Self
+
+import aiohttp
+import zmq.asyncio
+from aiohttp import web
+
+from kvstrata.router.core import Router
+from kvstrata.router.discovery import (
+    EndpointSliceWatcher,
+    in_cluster_namespace,
+    load_api_access,
+    static_specs,
+)
+from kvstrata.router.loadscrape import LoadScraper
+from kvstrata.router.metrics import RouterMetrics
+from kvstrata.router.pool import Endpoint
+from kvstrata.router.prompts import LocalTokenizer
+from kvstrata.router.proxy import build_app
+from kvstrata.router.settings import RouterSettings
+from kvstrata.router.subscriber import KvEventSubscriber
+
+log = logging.getLogger("kvstrata.router")
+
+
+class RouterService:
+    def __init__(
+        self, settings: RouterSettings, *, tokenizer: LocalTokenizer | None = None, scrape: bool = True
+    ) -> None:
+        self.settings = settings
+        self.metrics = RouterMetrics()
+        self._tokenizer = tokenizer
+        self._scrape = scrape
+        self.subscribers: dict[str, KvEventSubscriber] = {}
+        self._zmq: zmq.asyncio.Context | None = None
+        self.session: aiohttp.ClientSession | None = None
+        self.router: Router | None = None
+        self.scraper: LoadScraper | None = None
+        self.watcher: EndpointSliceWatcher | None = None
+        self.app: web.Application | None = None
+        self._runner: web.AppRunner | None = None
+        self._stopping: list[asyncio.Task[None]] = []
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        s = self.settings
+        connector = aiohttp.TCPConnector(
+            limit=s.max_upstream_connections, limit_per_host=0, ttl_dns_cache=300, keepalive_timeout=60
+        )
+        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        self.router = Router(s, self.metrics, self.session, tokenizer=self._tokenizer)
+        self._zmq = zmq.asyncio.Context()
+        self.router.pool.subscribe(self._on_add, self._on_remove)
+        self.scraper = LoadScraper(self.router.pool, self.session, interval=s.scrape_interval_seconds)
+        self.scraper.on_down = self.router.mark_down
+        disc = s.discovery
+        if disc.service:
+            namespace = disc.namespace or in_cluster_namespace() or "default"
+            self.watcher = EndpointSliceWatcher(disc, namespace, load_api_access(), self.router.pool.replace)
+            self.watcher.start()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.watcher.synced.wait(), timeout=10)
+        else:
+            self.router.pool.replace(static_specs(disc.static))
+        if self._scrape:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.scraper.scrape_all(), timeout=3)
+            self.scraper.start()
+        self.app = build_app(self.router, self.session)
+
+    def _on_add(self, ep: Endpoint) -> None:
+        log.info("endpoint added: %s (events %s, replay %s)", ep.url, ep.spec.kv_events, ep.spec.kv_replay)
+        if ep.spec.kv_events and self.router is not None and self._zmq is not None:
+            sub = KvEventSubscriber(
+                ep, self.router.index, self.metrics, self._zmq, topic=self.settings.kv_events_topic
+            )
+            self.subscribers[ep.url] = sub
+            sub.start()
+
+    def _on_remove(self, ep: Endpoint) -> None:
+        log.info("endpoint removed: %s", ep.url)
+        sub = self.subscribers.pop(ep.url, None)
+        if sub is not None:
+            self._stopping.append(asyncio.create_task(sub.stop()))
+
+    async def serve(self, host: str, port: int) -> web.AppRunner:
+        assert self.app is not None
+        # handler_cancellation: a client that goes away cancels its handler, which closes the upstream
+        # request so the engine stops generating for nobody.
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port, backlog=4096)
+        await site.start()
+        return self._runner
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self.watcher is not None:
+            await self.watcher.stop()
+        if self.scraper is not None:
+            await self.scraper.stop()
+        for sub in list(self.subscribers.values()):
+            await sub.stop()
+        self.subscribers.clear()
+        if self._stopping:
+            await asyncio.gather(*self._stopping, return_exceptions=True)
+        if self.router is not None:
+            self.router.close()
+        if self.session is not None:
+            await self.session.close()
+        if self._zmq is not None:
+            self._zmq.term()

@@ -1,0 +1,131 @@
+"""The block index: stored/removed/cleared, tiers, predictions with TTL, the bound, dropping endpoints."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstrata.router.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_payload
+from kvstrata.router.index import BlockIndex, PrefixMatch
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def stored(hashes: list[int], medium: str = "GPU") -> BlockStored:
+    return BlockStored(tuple(hashes), None, (), 32, medium)
+
+
+def test_longest_prefix_walk_stops_at_first_miss() -> None:
+    idx = BlockIndex(100)
+    idx.apply("a", stored([1, 2, 3]))
+    idx.apply("b", stored([1, 2]))
+    idx.apply("c", stored([2, 3]))  # no block 1: no prefix at all
+    got = idx.lookup([1, 2, 3, 4])
+    assert got == {"a": PrefixMatch(3, gpu=3), "b": PrefixMatch(2, gpu=2)}
+    assert len(idx) == 7
+
+
+def test_tiers_are_tracked_per_medium() -> None:
+    idx = BlockIndex(100)
+    idx.apply("a", stored([1, 2, 3], "GPU"))
+    idx.apply("a", stored([2, 3], "CPU"))
+    idx.apply("a", BlockRemoved((2, 3), "GPU"))  # offloaded: still on CPU
+    assert idx.lookup([1, 2, 3]) == {"a": PrefixMatch(3, gpu=1, cpu=2)}
+    idx.apply("a", BlockRemoved((3,), "CPU"))
+    assert idx.lookup([1, 2, 3]) == {"a": PrefixMatch(2, gpu=1, cpu=1)}
+    assert len(idx) == 2
+    idx.apply("a", stored([3], "STORAGE"))
+    assert idx.lookup([1, 2, 3])["a"].storage == 1
+
+
+def test_removed_and_cleared() -> None:
+    idx = BlockIndex(100)
+    idx.apply("a", stored([1, 2, 3]))
+    idx.apply("b", stored([1]))
+    idx.apply("a", BlockRemoved((2,), "GPU"))
+    assert idx.lookup([1, 2, 3])["a"] == PrefixMatch(1, gpu=1)
+    idx.apply("a", AllBlocksCleared())
+    assert idx.lookup([1]) == {"b": PrefixMatch(1, gpu=1)}
+    assert len(idx) == 1
+    idx.apply("zzz", BlockRemoved((1,), "GPU"))  # unknown endpoint: no-op
+
+
+def test_predictions_expire_unless_confirmed() -> None:
+    clock = Clock()
+    idx = BlockIndex(100, clock=clock)
+    idx.predict("a", [1, 2, 3], ttl=5)
+    assert idx.lookup([1, 2, 3]) == {"a": PrefixMatch(3, predicted=3)}
+    idx.apply("a", stored([1, 2]))  # the engine confirms two of them
+    clock.t += 6
+    assert idx.lookup([1, 2, 3]) == {"a": PrefixMatch(2, gpu=2)}
+    assert len(idx) == 2
+
+
+def test_prediction_refresh_extends_ttl_and_does_not_downgrade_confirmed() -> None:
+    clock = Clock()
+    idx = BlockIndex(100, clock=clock)
+    idx.apply("a", stored([1]))
+    idx.predict("a", [1, 2], ttl=5)
+    clock.t += 4
+    idx.predict("a", [1, 2], ttl=5)
+    clock.t += 4  # the first prediction's expiry has passed, the refreshed one has not
+    assert idx.lookup([1, 2]) == {"a": PrefixMatch(2, gpu=1, predicted=1)}
+    clock.t += 2
+    assert idx.lookup([1, 2]) == {"a": PrefixMatch(1, gpu=1)}
+
+
+def test_removed_block_cancels_its_prediction() -> None:
+    idx = BlockIndex(100)
+    idx.predict("a", [1], ttl=60)
+    idx.apply("a", BlockRemoved((1,), "GPU"))
+    assert idx.lookup([1]) == {}
+    assert len(idx) == 0
+
+
+def test_bound_evicts_least_recently_touched_of_the_biggest_endpoint() -> None:
+    idx = BlockIndex(5)
+    idx.apply("a", stored([1, 2, 3]))
+    idx.apply("b", stored([10, 11]))
+    idx.lookup([1])  # touch block 1 on a: block 2 is now a's least recently touched
+    idx.apply("a", stored([4]))  # 6 entries > 5: evict from a (3 entries... now 4), LRU = block 2
+    assert len(idx) == 5
+    assert idx.evictions == 1
+    assert idx.lookup([1, 2]) == {"a": PrefixMatch(1, gpu=1)}
+    assert idx.lookup([10, 11]) == {"b": PrefixMatch(2, gpu=2)}
+    idx.predict("b", [12, 13, 14], ttl=10)
+    assert len(idx) == 5
+    assert idx.evictions == 4
+
+
+def test_drop_endpoint_forgets_everything_about_it() -> None:
+    idx = BlockIndex(100)
+    idx.apply("a", stored([1, 2]))
+    idx.predict("a", [1, 2, 3], ttl=10)
+    idx.apply("b", stored([1]))
+    idx.drop_endpoint("a")
+    assert idx.lookup([1, 2, 3]) == {"b": PrefixMatch(1, gpu=1)}
+    assert len(idx) == 1 and "a" not in idx.endpoints()
+    idx.drop_endpoint("never-seen")
+
+
+def test_recorded_stream_leaves_a_consistent_index(kv_messages: list[tuple[bytes, int, bytes]]) -> None:
+    idx = BlockIndex(1_000_000)
+    live: set[int] = set()
+    for _, seq, payload in kv_messages:
+        for ev in decode_payload(seq, payload).events:
+            idx.apply("e", ev)
+            if isinstance(ev, BlockStored):
+                live |= set(ev.block_hashes)
+            elif isinstance(ev, BlockRemoved):
+                live -= set(ev.block_hashes)
+    assert len(idx) == len(live) == idx.blocks_of("e")
+
+
+def test_invalid_bound() -> None:
+    with pytest.raises(ValueError):
+        BlockIndex(0)
