@@ -42,7 +42,7 @@ def test_every_recorded_block_hash_is_reproduced(kv_messages: list[tuple[bytes, 
 def test_prompt_hashes_equal_the_engine_prefix(kv_messages: list[tuple[bytes, int, bytes]]) -> None:
     ev = next(e for e in _stored(kv_messages) if e.parent_block_hash is None)
     # A prompt of the stored tokens plus a partial tail: the tail block is not hashed.
-    tokens = list(ev.token_ids) + [5, 6, 7]
+    tokens = [*ev.token_ids, 5, 6, 7]
     assert block_hashes(tokens, ev.block_size) == list(ev.block_hashes)
     assert block_hashes(tokens[: ev.block_size - 1], ev.block_size) == []
 

@@ -1,0 +1,321 @@
+"""Failover rules and bad-request handling, through the real router app over loopback HTTP.
+
+The upstreams are tiny in-process aiohttp fakes (only here, for failover; real engines are used in
+tests/vllm/test_router_engines.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from kvstrata.router.hashing import char_block_hashes
+from kvstrata.router.service import RouterService
+from kvstrata.router.settings import RouterSettings
+
+MODEL = "tiny"
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 20
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Fake:
+    """A fake engine: ``mode`` decides how it answers; it records what it received."""
+
+    mode: str = "ok"
+    bodies: list[bytes] = field(default_factory=list)
+    cancelled: int = 0
+    runner: web.AppRunner | None = None
+    url: str = ""
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.bodies.append(await request.read())
+        if self.mode == "500":
+            return web.json_response({"error": "boom"}, status=500)
+        if self.mode == "drop":  # close the connection before answering
+            assert request.transport is not None
+            request.transport.close()
+            await asyncio.sleep(1)
+            return web.Response()
+        if self.mode in ("stream", "stream-die", "stream-slow"):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(b'data: {"choices":[{"text":"a"}]}\n\n')
+            if self.mode == "stream-die":
+                assert request.transport is not None
+                request.transport.close()
+                return resp
+            if self.mode == "stream-slow":
+                try:
+                    await asyncio.sleep(30)
+                except asyncio.CancelledError:
+                    self.cancelled += 1
+                    raise
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        if self.mode == "slow":
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+        usage = {"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 7}}
+        return web.json_response({"choices": [{"text": "hi"}], "usage": usage, "from": self.url})
+
+    async def start(self) -> Fake:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        self.runner = web.AppRunner(app, handler_cancellation=True)
+        await self.runner.setup()
+        port = free_port()
+        await web.TCPSite(self.runner, "127.0.0.1", port).start()
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+
+@dataclass
+class Harness:
+    svc: RouterService
+    base: str
+    client: aiohttp.ClientSession
+
+    async def post(self, path: str, body: Any, **kw: Any) -> tuple[int, dict[str, str], bytes]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        async with self.client.post(self.base + path, data=data, **kw) as resp:
+            return resp.status, dict(resp.headers), await resp.read()
+
+    def prefer(self, url: str, prompt: str = PROMPT) -> None:
+        """Make ``url`` the router's first choice for ``prompt`` (it 'holds' the prompt's prefix)."""
+        router = self.svc.router
+        assert router is not None
+        router.approx.predict(url, char_block_hashes(prompt, router.chunk_chars), ttl=600)
+
+
+RouterFactory = Callable[..., Any]
+
+
+@pytest.fixture
+async def make_router() -> AsyncIterator[RouterFactory]:
+    started: list[tuple[RouterService, aiohttp.ClientSession]] = []
+
+    async def make(urls: list[str], **overrides: Any) -> Harness:
+        settings = RouterSettings.model_validate(
+            {
+                "model": MODEL,
+                "blockSize": 32,
+                "remoteTokenize": False,
+                "discovery": {"static": [{"url": u} for u in urls]},
+                **overrides,
+            }
+        )
+        svc = RouterService(settings, scrape=False)
+        await svc.start()
+        port = free_port()
+        await svc.serve("127.0.0.1", port)
+        client = aiohttp.ClientSession()
+        started.append((svc, client))
+        return Harness(svc, f"http://127.0.0.1:{port}", client)
+
+    yield make
+    for svc, client in started:
+        await client.close()
+        await svc.stop()
+
+
+@pytest.fixture
+async def fakes() -> AsyncIterator[Callable[..., Any]]:
+    made: list[Fake] = []
+
+    async def make(*modes: str) -> list[Fake]:
+        out = [await Fake(mode).start() for mode in modes]
+        made.extend(out)
+        return out
+
+    yield make
+    for f in made:
+        assert f.runner is not None
+        await f.runner.cleanup()
+
+
+def completion(**extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, **extra}
+
+
+async def test_connect_error_goes_to_next_best(make_router: RouterFactory, fakes: Callable[..., Any]) -> None:
+    (good,) = await fakes("ok")
+    dead = f"http://127.0.0.1:{free_port()}"
+    h = await make_router([dead, good.url])
+    h.prefer(dead)
+    status, headers, body = await h.post("/v1/completions", completion())
+    assert status == 200
+    assert headers["x-kvstrata-endpoint"] == good.url
+    assert json.loads(body)["from"] == good.url
+    # The original bytes reach the engine unchanged.
+    assert good.bodies == [json.dumps(completion()).encode()]
+    assert h.svc.router is not None
+    dead_ep = h.svc.router.pool.get(dead)
+    assert dead_ep is not None and not dead_ep.healthy
+    assert h.svc.router.approx.blocks_of(dead) == 0  # a dead engine leaves the index at once
+    metrics = await (await h.client.get(h.base + "/metrics")).text()
+    assert 'kvstrata_router_retries_total{reason="connect_error"} 1.0' in metrics
+
+
+async def test_5xx_before_first_byte_is_retried(make_router: RouterFactory, fakes: Callable[..., Any]) -> None:
+    bad, good = await fakes("500", "ok")
+    h = await make_router([bad.url, good.url])
+    h.prefer(bad.url)
+    status, headers, _ = await h.post("/v1/completions", completion())
+    assert (status, headers["x-kvstrata-endpoint"]) == (200, good.url)
+    assert len(bad.bodies) == 1 and len(good.bodies) == 1
+
+
+async def test_last_5xx_is_forwarded_when_every_endpoint_fails(
+    make_router: RouterFactory, fakes: Callable[..., Any]
+) -> None:
+    a, b = await fakes("500", "500")
+    h = await make_router([a.url, b.url])
+    status, _, body = await h.post("/v1/completions", completion())
+    assert status == 500 and json.loads(body) == {"error": "boom"}
+    assert len(a.bodies) + len(b.bodies) == 2
+
+
+async def test_dropped_connection_before_response_is_retried(
+    make_router: RouterFactory, fakes: Callable[..., Any]
+) -> None:
+    drop, good = await fakes("drop", "ok")
+    h = await make_router([drop.url, good.url])
+    h.prefer(drop.url)
+    status, headers, _ = await h.post("/v1/completions", completion())
+    assert (status, headers["x-kvstrata-endpoint"]) == (200, good.url)
+
+
+async def test_retries_are_bounded(make_router: RouterFactory) -> None:
+    dead = [f"http://127.0.0.1:{free_port()}" for _ in range(3)]
+    h = await make_router(dead, maxRetries=1)
+    status, _, body = await h.post("/v1/completions", completion())
+    assert status == 502
+    err = json.loads(body)["error"]
+    assert err["code"] == "upstream_failed" and "all 2 endpoint(s) failed" in err["message"]
+
+
+async def test_stream_that_started_is_never_replayed(make_router: RouterFactory, fakes: Callable[..., Any]) -> None:
+    dying, other = await fakes("stream-die", "stream")
+    h = await make_router([dying.url, other.url])
+    h.prefer(dying.url)
+    status, headers, body = await h.post("/v1/completions", completion(stream=True))
+    assert status == 200 and headers["x-kvstrata-endpoint"] == dying.url
+    events = [line for line in body.decode().split("\n\n") if line]
+    assert events[0] == 'data: {"choices":[{"text":"a"}]}'
+    assert json.loads(events[-1].removeprefix("data: "))["error"]["code"] == "upstream_failed"
+    assert other.bodies == []  # not replayed elsewhere
+
+
+async def test_stream_passes_through(make_router: RouterFactory, fakes: Callable[..., Any]) -> None:
+    (s,) = await fakes("stream")
+    h = await make_router([s.url])
+    status, headers, body = await h.post("/v1/completions", completion(stream=True))
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    assert body.endswith(b"data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize("mode,stream", [("slow", False), ("stream-slow", True)])
+async def test_client_disconnect_cancels_upstream(
+    make_router: RouterFactory, fakes: Callable[..., Any], mode: str, stream: bool
+) -> None:
+    (slow,) = await fakes(mode)
+    h = await make_router([slow.url])
+    with pytest.raises(asyncio.TimeoutError):
+        await h.post("/v1/completions", completion(stream=stream), timeout=aiohttp.ClientTimeout(total=0.5))
+    for _ in range(50):
+        if slow.cancelled:
+            break
+        await asyncio.sleep(0.05)
+    assert slow.cancelled == 1
+    assert h.svc.router is not None
+    assert sum(ep.in_flight for ep in h.svc.router.pool.all()) == 0
+
+
+@pytest.mark.parametrize(
+    "path,body,status,param,message",
+    [
+        ("/v1/completions", b"{not json", 400, None, "not valid JSON"),
+        ("/v1/completions", b"", 400, None, "empty"),
+        ("/v1/completions", b"[1, 2]", 400, None, "JSON object"),
+        ("/v1/completions", {"prompt": "x"}, 400, "model", "'model' is required"),
+        ("/v1/completions", {"model": 3, "prompt": "x"}, 400, "model", "must be a string"),
+        ("/v1/completions", {"model": "other", "prompt": "x"}, 404, "model", "does not exist"),
+        ("/v1/completions", {"model": MODEL}, 400, "prompt", "'prompt' is required"),
+        ("/v1/completions", {"model": MODEL, "prompt": 5}, 400, "prompt", "must be a string"),
+        ("/v1/completions", {"model": MODEL, "prompt": [1, "a"]}, 400, "prompt", "must be a string"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream", "boolean"),
+        ("/v1/chat/completions", {"model": MODEL}, 400, "messages", "'messages' is required"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages", "non-empty"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "x"}]}, 400, "messages", "'role'"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 1}]}, 400, "messages", "content"),
+    ],
+)
+async def test_bad_requests_get_openai_errors(
+    make_router: RouterFactory,
+    fakes: Callable[..., Any],
+    path: str,
+    body: Any,
+    status: int,
+    param: str | None,
+    message: str,
+) -> None:
+    (ok,) = await fakes("ok")
+    h = await make_router([ok.url])
+    got, headers, raw = await h.post(path, body)
+    assert got == status
+    assert headers["Content-Type"].startswith("application/json")
+    err = json.loads(raw)["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param and message in err["message"]
+    assert ok.bodies == []  # never forwarded
+
+
+async def test_no_endpoints_is_503_and_not_ready(make_router: RouterFactory) -> None:
+    h = await make_router([])
+    status, _, raw = await h.post("/v1/completions", completion())
+    assert status == 503 and json.loads(raw)["error"]["code"] == "no_endpoints"
+    async with h.client.get(h.base + "/ready") as resp:
+        assert resp.status == 503 and (await resp.json())["reason"] == "no healthy engine endpoint"
+    async with h.client.get(h.base + "/health") as resp:
+        assert resp.status == 200
+
+
+async def test_decision_headers_metrics_and_passthrough(
+    make_router: RouterFactory, fakes: Callable[..., Any]
+) -> None:
+    a, b = await fakes("ok", "ok")
+    h = await make_router([a.url, b.url])
+    status, headers, _ = await h.post("/v1/completions", completion())
+    first = headers["x-kvstrata-endpoint"]
+    assert status == 200 and headers["x-kvstrata-reason"] == "tie-hash"
+    # The same prompt again goes where the first one went (the router remembers its route).
+    _, headers2, _ = await h.post("/v1/completions", completion())
+    assert headers2["x-kvstrata-endpoint"] == first
+    assert headers2["x-kvstrata-reason"] == "approx-prefix"
+    assert headers2["x-kvstrata-predicted-cached-tokens"] == "0"  # approximate: no token count
+    status, _, raw = await h.post("/tokenize", {"model": MODEL, "prompt": "x"})
+    assert status == 200 and b"choices" in raw
+    async with h.client.get(h.base + "/v1/models") as resp:
+        assert resp.status == 200
+    async with h.client.get(h.base + "/ready") as resp:
+        assert resp.status == 200
+    metrics = await (await h.client.get(h.base + "/metrics")).text()
+    assert 'kvstrata_router_fallbacks_total{reason="no_tokenizer"} 2.0' in metrics
+    assert 'kvstrata_router_decisions_total{reason="approx-prefix"} 1.0' in metrics
+    assert "kvstrata_router_affinity_share 0.5" in metrics
+    assert "kvstrata_router_actual_cached_tokens_total 14.0" in metrics
