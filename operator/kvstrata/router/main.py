@@ -66,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="URL[,events=tcp://H:P][,replay=tcp://H:P]",
         help="static engine endpoint (repeatable); replaces discovery from the config",
     )
-    p.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument(
+        "--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
     return p
 
 

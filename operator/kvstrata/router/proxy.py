@@ -212,21 +212,27 @@ class Proxy:
 
     async def _stream(
         self, request: web.Request, resp: aiohttp.ClientResponse, decision: Decision, ep: Endpoint, t0: float
-    ) -> tuple[str, web.StreamResponse]:
+    ) -> tuple[str, web.StreamResponse | str]:
+        """Relay an SSE stream. Nothing is sent to the client until the engine's first body bytes
+        arrive (engines send headers at once), so a failure before that is still retryable: then the
+        result is an error string instead of a response."""
+        try:
+            first = await resp.content.readany()
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
+            return "disconnected", f"disconnected: {ep.url} before the first streamed byte: {exc!r}"
+        self.metrics.ttft.labels(ep.url).observe(time.perf_counter() - t0)
         out = web.StreamResponse(status=resp.status, headers=_response_headers(resp))
         out.headers.update(self._decision_headers(decision, ep))
         if decision.hashes:
             self.metrics.predicted_cached_tokens.inc(decision.predicted_cached_tokens(ep, self.block_size))
-        first = True
         try:
             await out.prepare(request)
+            if first:
+                await out.write(first)
         except ConnectionError:
             return "client_disconnect", out
         try:
             async for chunk in resp.content.iter_any():
-                if first:
-                    self.metrics.ttft.labels(ep.url).observe(time.perf_counter() - t0)
-                    first = False
                 await out.write(chunk)
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
             log.warning("stream from %s broke after it started; not replaying: %r", ep.url, exc)
@@ -261,6 +267,35 @@ class Proxy:
             {"status": "not ready", "reason": "no healthy engine endpoint", **body}, status=503
         )
 
+    async def state(self, request: web.Request) -> web.Response:
+        """What the router believes about each endpoint: health, load, indexed blocks (for debugging)."""
+        router = self.router
+        endpoints = {
+            ep.url: {
+                "healthy": ep.healthy,
+                "inFlight": ep.in_flight,
+                "running": ep.running,
+                "waiting": ep.waiting,
+                "kvUsage": ep.kv_usage,
+                "indexedBlocks": router.index.blocks_of(ep.url),
+                "approxBlocks": router.approx.blocks_of(ep.url),
+                "kvEvents": ep.spec.kv_events,
+                "kvReplay": ep.spec.kv_replay,
+                **ep.extra,
+            }
+            for ep in router.pool.all()
+        }
+        # Entries of endpoints no longer in the pool would be a leak; show them if there are any.
+        stale = [u for u in router.index.endpoints() if u not in router.pool and router.index.blocks_of(u)]
+        body = {
+            "policy": router.settings.policy,
+            "indexBlocks": len(router.index),
+            "indexEvictions": router.index.evictions,
+            "endpoints": endpoints,
+            "staleIndexEndpoints": stale,
+        }
+        return web.json_response(body)
+
     async def metrics_handler(self, request: web.Request) -> web.Response:
         data = generate_latest(self.metrics.registry)
         return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -276,5 +311,6 @@ def build_app(router: Router, session: aiohttp.ClientSession) -> web.Application
     app.router.add_get("/health", proxy.health)
     app.router.add_get("/ready", proxy.ready)
     app.router.add_get("/metrics", proxy.metrics_handler)
+    app.router.add_get("/kvstrata/state", proxy.state)
     app.router.add_route("*", "/{tail:.*}", proxy.passthrough)
     return app

@@ -135,6 +135,8 @@ class KvEventSubscriber:
             self.metrics.kv_events.labels(self.url, _TYPE_NAMES.get(type(event), "Unknown")).inc()
         self.last_seq = batch.seq
         self.applied_batches += 1
+        self.endpoint.extra["kvEventSeq"] = batch.seq
+        self.endpoint.extra["kvEventBatches"] = self.applied_batches
         self.metrics.kv_event_lag.labels(self.url).set(max(0.0, time.time() - batch.ts))
         if self.on_batch:
             self.on_batch(batch)

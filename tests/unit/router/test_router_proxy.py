@@ -49,9 +49,13 @@ class Fake:
             request.transport.close()
             await asyncio.sleep(1)
             return web.Response()
-        if self.mode in ("stream", "stream-die", "stream-slow"):
+        if self.mode in ("stream", "stream-die", "stream-slow", "stream-headers-die"):
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
+            if self.mode == "stream-headers-die":  # like vLLM: headers at once, then the engine dies
+                assert request.transport is not None
+                request.transport.close()
+                return resp
             await resp.write(b'data: {"choices":[{"text":"a"}]}\n\n')
             if self.mode == "stream-die":
                 assert request.transport is not None
@@ -172,7 +176,9 @@ async def test_connect_error_goes_to_next_best(make_router: RouterFactory, fakes
     assert 'kvstrata_router_retries_total{reason="connect_error"} 1.0' in metrics
 
 
-async def test_5xx_before_first_byte_is_retried(make_router: RouterFactory, fakes: Callable[..., Any]) -> None:
+async def test_5xx_before_first_byte_is_retried(
+    make_router: RouterFactory, fakes: Callable[..., Any]
+) -> None:
     bad, good = await fakes("500", "ok")
     h = await make_router([bad.url, good.url])
     h.prefer(bad.url)
@@ -210,7 +216,9 @@ async def test_retries_are_bounded(make_router: RouterFactory) -> None:
     assert err["code"] == "upstream_failed" and "all 2 endpoint(s) failed" in err["message"]
 
 
-async def test_stream_that_started_is_never_replayed(make_router: RouterFactory, fakes: Callable[..., Any]) -> None:
+async def test_stream_that_started_is_never_replayed(
+    make_router: RouterFactory, fakes: Callable[..., Any]
+) -> None:
     dying, other = await fakes("stream-die", "stream")
     h = await make_router([dying.url, other.url])
     h.prefer(dying.url)
@@ -220,6 +228,18 @@ async def test_stream_that_started_is_never_replayed(make_router: RouterFactory,
     assert events[0] == 'data: {"choices":[{"text":"a"}]}'
     assert json.loads(events[-1].removeprefix("data: "))["error"]["code"] == "upstream_failed"
     assert other.bodies == []  # not replayed elsewhere
+
+
+async def test_stream_dying_before_its_first_byte_is_retried(
+    make_router: RouterFactory, fakes: Callable[..., Any]
+) -> None:
+    dying, other = await fakes("stream-headers-die", "stream")
+    h = await make_router([dying.url, other.url])
+    h.prefer(dying.url)
+    status, headers, body = await h.post("/v1/completions", completion(stream=True))
+    assert (status, headers["x-kvstrata-endpoint"]) == (200, other.url)
+    assert body.endswith(b"data: [DONE]\n\n") and b"error" not in body
+    assert len(dying.bodies) == 1
 
 
 async def test_stream_passes_through(make_router: RouterFactory, fakes: Callable[..., Any]) -> None:
@@ -263,7 +283,13 @@ async def test_client_disconnect_cancels_upstream(
         ("/v1/chat/completions", {"model": MODEL}, 400, "messages", "'messages' is required"),
         ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages", "non-empty"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "x"}]}, 400, "messages", "'role'"),
-        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 1}]}, 400, "messages", "content"),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": 1}]},
+            400,
+            "messages",
+            "content",
+        ),
     ],
 )
 async def test_bad_requests_get_openai_errors(

@@ -1,0 +1,163 @@
+"""Each scorer and filter alone, then the picker, then the policies' reasons."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstrata.router.core import Router
+from kvstrata.router.index import PrefixMatch
+from kvstrata.router.metrics import RouterMetrics
+from kvstrata.router.pool import Endpoint, EndpointSpec
+from kvstrata.router.requests import parse_request
+from kvstrata.router.scoring import (
+    BoundedLoadFilter,
+    KvUsageScorer,
+    LoadScorer,
+    PrefixScorer,
+    RouteRequest,
+    SessionScorer,
+    pick,
+    rendezvous,
+)
+from kvstrata.router.settings import RouterSettings, TierWeights
+
+
+def ep(url: str, **state: float) -> Endpoint:
+    e = Endpoint(EndpointSpec(url))
+    for k, v in state.items():
+        setattr(e, k, v)
+    return e
+
+
+def test_prefix_scorer_credits_tiers() -> None:
+    tiers = TierWeights(GPU=1.0, CPU=0.5, STORAGE=0.25)
+    eps = [ep("a"), ep("b"), ep("c"), ep("d")]
+    req = RouteRequest(
+        hashes=[1, 2, 3, 4],
+        matches={
+            "a": PrefixMatch(4, gpu=4),
+            "b": PrefixMatch(4, cpu=4),
+            "c": PrefixMatch(2, gpu=1, storage=1),
+        },
+    )
+    assert PrefixScorer(tiers).score(req, eps) == [1.0, 0.5, (1 + 0.25) / 4, 0.0]
+    pred = RouteRequest(hashes=[1, 2], matches={"a": PrefixMatch(2, predicted=2)})
+    assert PrefixScorer(tiers).score(pred, eps[:1]) == [1.0]
+    assert PrefixScorer(tiers).score(RouteRequest(), eps) == [0.0] * 4
+
+
+def test_load_scorer_prefers_less_loaded() -> None:
+    eps = [ep("a", in_flight=3), ep("b", running=1, waiting=2), ep("c")]
+    # load = max(in_flight, running) + waiting: a=3, b=3, c=0
+    assert LoadScorer().score(RouteRequest(), eps) == [0.25, 0.25, 1.0]
+    assert LoadScorer().score(RouteRequest(), [ep("x"), ep("y")]) == [1.0, 1.0]
+
+
+def test_kv_usage_scorer() -> None:
+    eps = [ep("a", kv_usage=0.9), ep("b", kv_usage=0.0), ep("c", kv_usage=1.5)]
+    assert KvUsageScorer().score(RouteRequest(), eps) == pytest.approx([0.1, 1.0, 0.0])
+
+
+def test_session_scorer_is_sticky_and_spreads() -> None:
+    eps = [ep(f"http://e{i}") for i in range(4)]
+    s = SessionScorer()
+    assert s.score(RouteRequest(), eps) == [0.0] * 4
+    chosen = {s.score(RouteRequest(session=f"user-{i}"), eps).index(1.0) for i in range(40)}
+    assert len(chosen) > 1  # different sessions land on different endpoints
+    one = s.score(RouteRequest(session="user-7"), eps)
+    assert one == s.score(RouteRequest(session="user-7"), list(eps)) and sum(one) == 1.0
+
+
+def test_bounded_load_filter() -> None:
+    f = BoundedLoadFilter(factor=1.5)
+    eps = [ep("a", in_flight=6), ep("b", in_flight=1), ep("c", in_flight=1)]
+    # cap = ceil(1.5 * (8 + 1) / 3) = 5: a (6 + 1 > 5) is filtered out
+    assert [e.url for e in f.filter(RouteRequest(), eps)] == ["b", "c"]
+    assert [e.url for e in f.filter(RouteRequest(), eps[:1])] == ["a"]  # never empty
+    even = [ep("a", in_flight=2), ep("b", in_flight=2)]
+    assert len(f.filter(RouteRequest(), even)) == 2
+
+
+def test_picker_combines_weighted_scores() -> None:
+    eps = [ep("busy-holder", in_flight=4), ep("idle")]
+    req = RouteRequest(hashes=[1, 2], matches={"busy-holder": PrefixMatch(2, gpu=2)}, tie_key=b"k")
+    scorers = [(PrefixScorer(TierWeights()), 1.0), (LoadScorer(), 0.5)]
+    ranked = pick(req, eps, scorers)
+    assert [r.endpoint.url for r in ranked] == ["busy-holder", "idle"]
+    assert ranked[0].scores == {"prefix": 1.0, "load": pytest.approx(0.2)}
+    # With load weighted heavily, the idle endpoint wins despite the prefix.
+    ranked = pick(req, eps, [(PrefixScorer(TierWeights()), 1.0), (LoadScorer(), 2.0)])
+    assert ranked[0].endpoint.url == "idle"
+    # A zero weight removes the scorer from the decision.
+    assert "load" not in pick(req, eps, [(PrefixScorer(TierWeights()), 1.0), (LoadScorer(), 0.0)])[0].scores
+
+
+def test_picker_ties_follow_rendezvous_of_the_tie_key() -> None:
+    eps = [ep(f"http://e{i}") for i in range(3)]
+    winners = set()
+    for key in (b"a", b"b", b"c", b"d", b"e", b"f"):
+        ranked = pick(RouteRequest(tie_key=key), eps, [(LoadScorer(), 1.0)])
+        want = max(eps, key=lambda e: rendezvous(key, e.url)).url
+        assert ranked[0].endpoint.url == want
+        winners.add(want)
+    assert len(winners) > 1
+
+
+def _router(policy: str) -> Router:
+    settings = RouterSettings.model_validate(
+        {
+            "model": "m",
+            "blockSize": 4,
+            "policy": policy,
+            "remoteTokenize": False,
+            "approxChunkChars": 4,
+        }
+    )
+    r = Router(settings, RouterMetrics())
+    r.pool.replace([EndpointSpec("http://a"), EndpointSpec("http://b"), EndpointSpec("http://c")])
+    return r
+
+
+def _req(prompt: object) -> object:
+    import json
+
+    return parse_request(json.dumps({"model": "m", "prompt": prompt}).encode(), "completion", "m")
+
+
+async def test_kv_aware_reasons_and_predictions() -> None:
+    r = _router("kv-aware")
+    tokens = list(range(12))  # three blocks of 4
+    d = await r.decide(_req(tokens))
+    assert d.reason == "tie-hash" and len(d.hashes) == 3 and not d.approximate
+    r.commit(d, d.order[0])
+    d2 = await r.decide(_req(tokens))
+    assert d2.reason == "prefix" and d2.order[0] is d.order[0]
+    assert d2.predicted_cached_tokens(d2.order[0], 4) == 12
+    # The holder is now overloaded: bounded load moves the request, and says so.
+    d.order[0].in_flight = 10
+    d3 = await r.decide(_req(tokens))
+    assert d3.reason == "bounded-load" and d3.order[0] is not d.order[0]
+    assert d3.order[-1] is d.order[0]  # still a last-resort retry target
+    # A different load on otherwise equal endpoints decides by load.
+    d.order[0].in_flight = 0
+    d.order[1].in_flight = 1
+    d4 = await r.decide(_req([99, 98, 97, 96]))
+    assert d4.reason in ("load", "tie-hash") and d4.order[0] is not d.order[1]
+
+
+async def test_round_robin_least_load_prefix_hash() -> None:
+    rr = _router("round-robin")
+    firsts = [(await rr.decide(_req("x"))).order[0].url for _ in range(6)]
+    assert sorted(set(firsts)) == ["http://a", "http://b", "http://c"] and firsts[:3] == firsts[3:]
+
+    ll = _router("least-load")
+    for e, n in zip(ll.pool.all(), (3, 0, 5), strict=True):
+        e.in_flight = n
+    d = await ll.decide(_req("x"))
+    assert [e.url for e in d.order] == ["http://b", "http://a", "http://c"] and d.reason == "least-load"
+
+    ph = _router("prefix-hash")
+    same = {(await ph.decide(_req("abcd" + str(i)))).order[0].url for i in range(5)}
+    assert len(same) == 1  # same first block → same endpoint
+    spread = {(await ph.decide(_req(f"{i:04d}tail"))).order[0].url for i in range(30)}
+    assert len(spread) > 1

@@ -1,0 +1,349 @@
+"""The router in front of three real vLLM CPU engines (tiny model, small KV cache, KV events on).
+
+One module-scoped set of engines and one router process (`kvstrata router`, as deployed) serve every
+test here; the engine-kill test runs last because it takes an engine away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import zmq
+
+from kvstrata.router.events import BlockStored, decode_frames
+from kvstrata.router.hashing import block_hashes
+from kvstrata.router.prompts import LocalTokenizer
+from kvstrata.testing.engines import VllmEngine, free_port, start_engines, stop_all
+
+MODEL = "tiny"
+BLOCK = 32
+# Small enough that the workload below evicts, big enough for a few long prompts at once.
+KV_BLOCKS = 160
+VENV_BIN = Path(sys.executable).parent
+
+
+@dataclass
+class Stack:
+    engines: list[VllmEngine]
+    router_url: str
+    router_proc: subprocess.Popen[bytes]
+    router_log: Path
+    tokenizer: LocalTokenizer
+
+    def engine(self, url: str) -> VllmEngine:
+        return next(e for e in self.engines if e.base_url == url)
+
+
+def _wait_http(url: str, timeout: float) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"{url} not ready after {timeout}s")
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model: Path, vllm_py: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    log_dir = tmp_path_factory.mktemp("router-engines")
+    engines = start_engines(
+        3,
+        tiny_model,
+        kv_events=True,
+        kv_replay=True,
+        log_dir=log_dir,
+        block_size=BLOCK,
+        num_gpu_blocks_override=KV_BLOCKS,
+        max_model_len=2048,
+        max_num_seqs=8,
+        extra_args=["--enable-prompt-tokens-details"],
+        timeout=900,
+    )
+    port = free_port()
+    argv = [
+        str(VENV_BIN / "kvstrata"),
+        "router",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--model",
+        MODEL,
+        "--tokenizer",
+        str(tiny_model),
+        "--block-size",
+        str(BLOCK),
+        "--log-level",
+        "DEBUG",
+    ]
+    for e in engines:
+        argv += ["--endpoint", f"{e.base_url},events={e.kv_events_endpoint},replay={e.kv_replay_endpoint}"]
+    router_log = log_dir / "router.log"
+    with open(router_log, "wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/ready", 60)
+        yield Stack(engines, f"http://127.0.0.1:{port}", proc, router_log, LocalTokenizer(tiny_model))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        stop_all(engines)
+
+
+# --- helpers -----------------------------------------------------------------------------------------
+_WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "sigma", "omega"]
+
+
+def text(seed: int, words: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(_WORDS) + str(rng.randint(0, 99)) for _ in range(words))
+
+
+async def post(
+    session: aiohttp.ClientSession, base: str, path: str, body: dict[str, Any]
+) -> tuple[int, dict[str, str], Any]:
+    async with session.post(base + path, json=body) as resp:
+        raw = await resp.read()
+        return resp.status, dict(resp.headers), json.loads(raw) if raw else None
+
+
+def engine_counter(engine: VllmEngine, name: str) -> float:
+    total = 0.0
+    for line in engine.metrics().splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def router_state(stack: Stack) -> dict[str, Any]:
+    import urllib.request
+
+    with urllib.request.urlopen(stack.router_url + "/kvstrata/state", timeout=5) as resp:
+        return json.loads(resp.read())
+
+
+def router_metric(stack: Stack, name: str) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(stack.router_url + "/metrics", timeout=5) as resp:
+        text_ = resp.read().decode()
+    total = 0.0
+    for line in text_.splitlines():
+        if re.match(rf"^{re.escape(name)}(\{{| )", line):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+class EventTap:
+    """A test-side SUB on every engine's KV events: what each engine says it stored."""
+
+    def __init__(self, engines: list[VllmEngine]) -> None:
+        self.ctx = zmq.Context()
+        self.socks = {}
+        for e in engines:
+            s = self.ctx.socket(zmq.SUB)
+            s.setsockopt(zmq.SUBSCRIBE, b"")
+            s.connect(e.kv_events_endpoint)
+            self.socks[e.base_url] = s
+        time.sleep(1.0)  # ZMQ slow joiner
+
+    def stored(self, url: str, wait_s: float = 5.0) -> set[int]:
+        out: set[int] = set()
+        sock = self.socks[url]
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if sock.poll(200):
+                batch = decode_frames(sock.recv_multipart())
+                for ev in batch.events:
+                    if isinstance(ev, BlockStored):
+                        out |= set(ev.block_hashes)
+        return out
+
+    def close(self) -> None:
+        for s in self.socks.values():
+            s.close(linger=0)
+        self.ctx.term()
+
+
+# --- tests -------------------------------------------------------------------------------------------
+def test_local_tokenization_matches_the_engine(stack: Stack) -> None:
+    eng = stack.engines[0]
+    prompt = text(1, 120)
+    assert (
+        stack.tokenizer.encode_completion(prompt)
+        == eng.post_json("/tokenize", {"model": MODEL, "prompt": prompt})["tokens"]
+    )
+    messages = [{"role": "system", "content": text(2, 40)}, {"role": "user", "content": text(3, 60)}]
+    engine_chat = eng.post_json("/tokenize", {"model": MODEL, "messages": messages})["tokens"]
+    assert stack.tokenizer.encode_chat(messages) == engine_chat
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+async def test_router_hashes_equal_the_engines_block_stored(stack: Stack, kind: str) -> None:
+    tap = EventTap(stack.engines)
+    try:
+        if kind == "completion":
+            prompt = text(10, 300)
+            tokens = stack.tokenizer.encode_completion(prompt)
+            path, body = "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+        else:
+            messages = [
+                {"role": "system", "content": text(11, 150)},
+                {"role": "user", "content": text(12, 150)},
+            ]
+            tokens = stack.tokenizer.encode_chat(messages)
+            path, body = "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 2}
+        want = block_hashes(tokens, BLOCK)
+        assert len(want) >= 10
+        async with aiohttp.ClientSession() as s:
+            status, headers, _ = await post(s, stack.router_url, path, body)
+            assert status == 200
+            chosen = headers["x-kvstrata-endpoint"]
+            stored = await asyncio.to_thread(tap.stored, chosen)
+            # Every full prompt block the router hashed is a block the engine stored, same 64-bit value.
+            assert set(want) <= stored, f"{len(set(want) - stored)} of {len(want)} router hashes not stored"
+            # Asked again, the router predicts exactly what the engine then reports as cached.
+            status, headers, resp = await post(s, stack.router_url, path, body)
+        assert status == 200
+        assert headers["x-kvstrata-endpoint"] == chosen
+        assert headers["x-kvstrata-reason"] == "prefix"
+        predicted = int(headers["x-kvstrata-predicted-cached-tokens"])
+        assert predicted == len(want) * BLOCK
+        assert resp["usage"]["prompt_tokens_details"]["cached_tokens"] == predicted
+    finally:
+        tap.close()
+
+
+async def test_shared_prefixes_land_on_the_engine_that_holds_them(stack: Stack) -> None:
+    groups, per_group = 6, 4
+    prefix_words = 350  # ~ 25 blocks of shared prefix per group
+    before = {e.base_url: engine_counter(e, "vllm:prefix_cache_hits_total") for e in stack.engines}
+    queries_before = {e.base_url: engine_counter(e, "vllm:prefix_cache_queries_total") for e in stack.engines}
+    routes: dict[int, list[tuple[str, str]]] = {}
+    async with aiohttp.ClientSession() as s:
+        for g in range(groups):
+            shared = text(1000 + g, prefix_words)
+            for i in range(per_group):
+                body = {"model": MODEL, "prompt": shared + " " + text(2000 + g * 10 + i, 20), "max_tokens": 2}
+                status, headers, _ = await post(s, stack.router_url, "/v1/completions", body)
+                assert status == 200
+                routes.setdefault(g, []).append(
+                    (headers["x-kvstrata-endpoint"], headers["x-kvstrata-reason"])
+                )
+    for g, rs in routes.items():
+        first = rs[0][0]
+        assert all(url == first for url, _ in rs), f"group {g} split across engines: {rs}"
+        assert all(reason == "prefix" for _, reason in rs[1:]), rs
+    # Groups spread over the engines (first requests of a group tie and are hashed apart).
+    assert len({rs[0][0] for rs in routes.values()}) >= 2
+    hits = {
+        e.base_url: engine_counter(e, "vllm:prefix_cache_hits_total") - before[e.base_url]
+        for e in stack.engines
+    }
+    queries = {
+        e.base_url: engine_counter(e, "vllm:prefix_cache_queries_total") - queries_before[e.base_url]
+        for e in stack.engines
+    }
+    shared_tokens = min(
+        len(stack.tokenizer.encode_completion(text(1000 + g, prefix_words))) for g in range(groups)
+    )
+    expected_min_hits = groups * (per_group - 1) * (shared_tokens // BLOCK) * BLOCK
+    total_hits, total_queries = sum(hits.values()), sum(queries.values())
+    assert total_hits >= expected_min_hits
+    for rs in routes.values():
+        assert hits[rs[0][0]] > 0
+    print(
+        f"\n[router-engines] shared-prefix hit rate {total_hits / total_queries:.3f} "
+        f"({total_hits:.0f}/{total_queries:.0f} prompt tokens); per engine hits {hits}"
+    )
+
+
+async def _one(s: aiohttp.ClientSession, base: str, prompt: str, stream: bool) -> dict[str, Any]:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 48, "stream": stream, "ignore_eos": True}
+    out: dict[str, Any] = {"stream": stream, "chunks": 0, "error": None, "done": False}
+    try:
+        async with s.post(base + "/v1/completions", json=body) as resp:
+            out["status"] = resp.status
+            out["endpoint"] = resp.headers.get("x-kvstrata-endpoint")
+            if not stream:
+                data = await resp.json()
+                out["done"] = resp.status == 200 and bool(data.get("choices"))
+                return out
+            async for line in resp.content:
+                if not line.startswith(b"data: "):
+                    continue
+                payload = line[6:].strip()
+                if payload == b"[DONE]":
+                    out["done"] = True
+                elif b'"error"' in payload:
+                    out["error"] = json.loads(payload)["error"]
+                else:
+                    out["chunks"] += 1
+    except aiohttp.ClientError as exc:
+        out["error"] = repr(exc)
+    return out
+
+
+async def test_killing_an_engine_loses_no_request_that_had_not_started_streaming(stack: Stack) -> None:
+    victim = stack.engines[0]
+    n = 36
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
+        tasks = [
+            asyncio.create_task(_one(s, stack.router_url, text(5000 + i, 150), stream=i % 2 == 0))
+            for i in range(n)
+        ]
+        # Kill while requests are in flight on every engine.
+        await asyncio.sleep(2.0)
+        killed_at = time.monotonic()
+        await asyncio.to_thread(victim.kill)
+        results = await asyncio.gather(*tasks)
+        after = [await _one(s, stack.router_url, text(9000 + i, 150), stream=i % 2 == 0) for i in range(6)]
+    lost = [r for r in results if not r["done"] and not (r["stream"] and r["chunks"] > 0)]
+    aborted = [r for r in results if r["stream"] and not r["done"]]
+    assert lost == [], f"requests lost without having started: {lost}"
+    # A stream cut mid-way ends with the router's error event, never a silent truncation or a replay.
+    for r in aborted:
+        assert r["error"] and r["error"]["code"] == "upstream_failed" and r["endpoint"] == victim.base_url
+    assert all(r["done"] and r["endpoint"] != victim.base_url for r in after)
+    state = router_state(stack)
+    dead = state["endpoints"][victim.base_url]
+    assert dead["healthy"] is False
+    assert dead["indexedBlocks"] == 0  # the index dropped the dead engine
+    alive = [u for u in state["endpoints"] if u != victim.base_url]
+    assert any(state["endpoints"][u]["indexedBlocks"] > 0 for u in alive)
+    retries = router_metric(stack, "kvstrata_router_retries_total")
+    on_victim = sum(1 for r in results if r["endpoint"] == victim.base_url)
+    print(
+        f"\n[router-engines] kill: {n} concurrent requests, killed {victim.base_url} after 2.0s; "
+        f"completed {sum(r['done'] for r in results)}, streams cut after starting {len(aborted)}, "
+        f"lost {len(lost)}, answered by the victim before/while dying {on_victim}, router retries {retries:.0f}; "
+        f"post-kill requests ok {sum(r['done'] for r in after)}/6 ({time.monotonic() - killed_at:.1f}s after kill)"
+    )
+
+
+def test_no_router_tracebacks(stack: Stack) -> None:
+    log = stack.router_log.read_text()
+    assert "Traceback" not in log, log[-4000:]
+    assert stack.router_proc.poll() is None
