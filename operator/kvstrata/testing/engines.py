@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -26,6 +27,10 @@ from kvstrata.testing.tinymodel import kvstrata_cache
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 KV_EVENTS_TOPIC = "kv-events"
 _STOP_GRACE_S = 20.0
+# vLLM log lines start with "(EngineCore pid=1) ERROR 11-22 18:35:32 [core.py:1510] ".
+_LOG_PREFIX = re.compile(r"^\([^)]*\) [A-Z]+ \S+ \S+ \[[^\]]*\] ")
+# "ValueError: ...": the summary line of a traceback.
+_EXCEPTION_LINE = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception): .*$")
 
 
 class EngineError(RuntimeError):
@@ -328,8 +333,9 @@ class VllmEngine:
             code = self._proc.poll()
             if code is not None:
                 raise EngineError(
-                    f"vLLM on port {self.port} exited with code {code} before it was ready; "
-                    f"log {self.log_path}:\n{self.log_tail()}"
+                    f"vLLM on port {self.port} exited with code {code} before it was ready: "
+                    f"{'; '.join(self.log_errors()) or 'no error line in the log'}\n"
+                    f"log {self.log_path}, last lines:\n{self.log_tail()}"
                 )
             if self._health_ok():
                 if self.ready_after_s is None and self.started_at is not None:
@@ -387,6 +393,15 @@ class VllmEngine:
         except FileNotFoundError:
             return ""
 
+    def log_errors(self) -> list[str]:
+        """The distinct exception lines of the log (``ValueError: ...``), root cause first."""
+        seen: dict[str, None] = {}
+        for line in self.log_text().splitlines():
+            match = _EXCEPTION_LINE.match(_LOG_PREFIX.sub("", line))
+            if match:
+                seen.setdefault(match.group(0).strip(), None)
+        return list(seen)
+
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_text().splitlines()[-lines:])
 
@@ -395,6 +410,12 @@ class VllmEngine:
         if self._proc is None:
             return 0
         return sum(_rss(pid) for pid in group_pids(self._proc.pid))
+
+    def pss_bytes(self) -> int:
+        """Proportional set size of the group: shared pages (torch libraries) counted once."""
+        if self._proc is None:
+            return 0
+        return sum(_smaps_field(pid, "Pss:") for pid in group_pids(self._proc.pid))
 
     def get(self, path: str, timeout: float = 30.0) -> str:
         with urllib.request.urlopen(self.base_url + path, timeout=timeout) as resp:
@@ -452,6 +473,16 @@ def _rss(pid: int) -> int:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _smaps_field(pid: int, field: str) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith(field):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass

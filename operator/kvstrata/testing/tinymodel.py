@@ -57,7 +57,9 @@ class TinyModelParams:
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size ({self.hidden_size}) must be a multiple of num_heads ({self.num_heads})")
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be a multiple of num_heads ({self.num_heads})"
+            )
         # 256 byte-level symbols + the special tokens are the floor of a byte-level BPE vocabulary.
         if not 512 <= self.vocab_size <= 16_384:
             raise ValueError(f"vocab_size must be within 512..16384, got {self.vocab_size}")
@@ -191,12 +193,35 @@ def _corpus(seed: int) -> list[str]:
     """Pseudo-English from a seeded RNG: syllable words, digits and punctuation, so the BPE has
     plenty of distinct pairs to merge and prompts in tests tokenize into many short tokens."""
     rng = random.Random(seed)
-    onsets = ["", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "st", "tr", "ch"]
+    onsets = [
+        "",
+        "b",
+        "c",
+        "d",
+        "f",
+        "g",
+        "h",
+        "k",
+        "l",
+        "m",
+        "n",
+        "p",
+        "r",
+        "s",
+        "t",
+        "v",
+        "w",
+        "st",
+        "tr",
+        "ch",
+    ]
     vowels = ["a", "e", "i", "o", "u", "ai", "ea", "ou"]
     codas = ["", "n", "r", "s", "t", "l", "m", "ng", "ck"]
     words = []
     for _ in range(_CORPUS_WORDS):
-        word = "".join(rng.choice(onsets) + rng.choice(vowels) + rng.choice(codas) for _ in range(rng.randint(1, 3)))
+        word = "".join(
+            rng.choice(onsets) + rng.choice(vowels) + rng.choice(codas) for _ in range(rng.randint(1, 3))
+        )
         if rng.random() < 0.1:
             word = word.capitalize()
         if rng.random() < 0.05:
@@ -234,7 +259,9 @@ def train_tokenizer_json(vocab_size: int, seed: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvstrata.testing.tinymodel", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m kvstrata.testing.tinymodel", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("dest", nargs="?", type=Path, default=None, help="target directory (default: cache)")
     defaults = TinyModelParams("llama", 4, 512, 8, 8, 64, 4096, 4096, 0)
     for field, value in asdict(defaults).items():
