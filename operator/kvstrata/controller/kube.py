@@ -1,0 +1,215 @@
+"""A small synchronous Kubernetes REST client: get, list, server-side apply, merge patch, delete.
+
+It borrows authentication and TLS from the official client (kubeconfig or in-cluster service account) and
+speaks plain JSON dicts, because the operator's objects are dicts from `kvstrata.render` and the generated
+model classes would only add a conversion step. Calls block; kopf runs sync handlers in worker threads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+Obj = dict[str, Any]
+
+# (apiVersion, kind) -> (API prefix, plural, namespaced). Only what the operator touches.
+RESOURCES: dict[tuple[str, str], tuple[str, str, bool]] = {
+    ("v1", "ConfigMap"): ("/api/v1", "configmaps", True),
+    ("v1", "Service"): ("/api/v1", "services", True),
+    ("v1", "ServiceAccount"): ("/api/v1", "serviceaccounts", True),
+    ("v1", "PersistentVolumeClaim"): ("/api/v1", "persistentvolumeclaims", True),
+    ("v1", "Pod"): ("/api/v1", "pods", True),
+    ("v1", "Event"): ("/api/v1", "events", True),
+    ("apps/v1", "StatefulSet"): ("/apis/apps/v1", "statefulsets", True),
+    ("apps/v1", "Deployment"): ("/apis/apps/v1", "deployments", True),
+    ("policy/v1", "PodDisruptionBudget"): ("/apis/policy/v1", "poddisruptionbudgets", True),
+    ("rbac.authorization.k8s.io/v1", "Role"): ("/apis/rbac.authorization.k8s.io/v1", "roles", True),
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"): (
+        "/apis/rbac.authorization.k8s.io/v1",
+        "rolebindings",
+        True,
+    ),
+    ("storage.k8s.io/v1", "StorageClass"): ("/apis/storage.k8s.io/v1", "storageclasses", False),
+    ("kvstrata.io/v1alpha1", "InferenceCluster"): ("/apis/kvstrata.io/v1alpha1", "inferenceclusters", True),
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): (
+        "/apis/monitoring.coreos.com/v1",
+        "servicemonitors",
+        True,
+    ),
+}
+
+APPLY = "application/apply-patch+yaml"
+MERGE = "application/merge-patch+json"
+# (connect, read) seconds: a hung apiserver must not pin a worker thread for long.
+TIMEOUT = (5.0, 30.0)
+
+
+class KubeError(Exception):
+    """An API call failed. `status` is the HTTP status, 0 when the apiserver could not be reached."""
+
+    def __init__(self, status: int, reason: str, message: str, verb: str = "", path: str = "") -> None:
+        super().__init__(f"{verb} {path}: {status} {reason}: {message}".strip())
+        self.status = status
+        self.reason = reason
+        self.message = message
+
+    @property
+    def retryable(self) -> bool:
+        """Worth trying again unchanged: unreachable, throttled, conflicting, server-side trouble.
+
+        403 counts too: RBAC may be fixed by an upgrade, and a namespace being deleted answers 403.
+        """
+        return self.status in (0, 403, 404, 409, 429) or self.status >= 500
+
+    @property
+    def not_found(self) -> bool:
+        return self.status == 404
+
+
+@dataclass(frozen=True)
+class Ref:
+    api_version: str
+    kind: str
+    namespace: str | None
+    name: str
+
+
+def path_for(api_version: str, kind: str, namespace: str | None, name: str | None = None) -> str:
+    try:
+        prefix, plural, namespaced = RESOURCES[(api_version, kind)]
+    except KeyError:
+        raise ValueError(f"the operator does not handle {kind} ({api_version})") from None
+    path = prefix
+    if namespaced and namespace:
+        path += f"/namespaces/{quote(namespace, safe='')}"
+    path += f"/{plural}"
+    if name:
+        path += f"/{quote(name, safe='')}"
+    return path
+
+
+def ref_of(obj: Obj) -> Ref:
+    meta = obj["metadata"]
+    return Ref(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"])
+
+
+class Kube:
+    """Thread-safe (the underlying urllib3 pool is); one instance per operator process."""
+
+    def __init__(self, api_client: Any) -> None:
+        self.api = api_client
+
+    @classmethod
+    def from_environment(cls, kubeconfig: str | None = None, pool_size: int = 32) -> Kube:
+        from kubernetes import client, config
+
+        cfg = client.Configuration()
+        path = kubeconfig or os.environ.get("KUBECONFIG")
+        if path or not os.environ.get("KUBERNETES_SERVICE_HOST"):
+            config.load_kube_config(config_file=path, client_configuration=cfg)
+        else:
+            config.load_incluster_config(client_configuration=cfg)
+        cfg.connection_pool_maxsize = pool_size
+        return cls(client.ApiClient(cfg))
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        query: list[tuple[str, str]] | None = None,
+        content_type: str | None = None,
+    ) -> Obj:
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = content_type or "application/json"
+        try:
+            params = self.api.param_serialize(
+                method=method,
+                resource_path=path,
+                query_params=query or [],
+                header_params=headers,
+                body=body,
+                auth_settings=["BearerToken"],
+            )
+            resp = self.api.call_api(*params, _request_timeout=TIMEOUT)
+            resp.read()
+        except Exception as err:  # urllib3/SSL/socket errors: the apiserver is unreachable
+            status = getattr(err, "status", None)
+            if isinstance(status, int) and status:
+                raise KubeError(status, getattr(err, "reason", "") or "", str(err), method, path) from None
+            raise KubeError(0, type(err).__name__, str(err), method, path) from None
+        data = resp.data or b"{}"
+        if not 200 <= resp.status < 300:
+            message = data.decode(errors="replace")
+            reason = resp.reason or ""
+            try:
+                status_obj = json.loads(data)
+                message = status_obj.get("message", message)
+                reason = status_obj.get("reason", reason)
+            except ValueError:
+                pass
+            raise KubeError(resp.status, reason, message, method, path)
+        return json.loads(data) if data else {}
+
+    # ------------------------------------------------------------------------------------- verbs
+    def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> Obj | None:
+        try:
+            return self.request("GET", path_for(api_version, kind, namespace, name))
+        except KubeError as err:
+            if err.not_found:
+                return None
+            raise
+
+    def list(
+        self, api_version: str, kind: str, namespace: str | None, label_selector: str | None = None
+    ) -> list[Obj]:
+        query = [("labelSelector", label_selector)] if label_selector else []
+        return self.request("GET", path_for(api_version, kind, namespace), query=query).get("items", [])
+
+    def apply(self, obj: Obj, manager: str, force: bool = True) -> Obj:
+        """Server-side apply: the object is the complete set of fields `manager` owns."""
+        r = ref_of(obj)
+        query = [("fieldManager", manager)]
+        if force:
+            query.append(("force", "true"))
+        return self.request(
+            "PATCH",
+            path_for(r.api_version, r.kind, r.namespace, r.name),
+            body=obj,
+            query=query,
+            content_type=APPLY,
+        )
+
+    def merge_patch(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str | None,
+        name: str,
+        patch: Obj,
+        subresource: str | None = None,
+        manager: str | None = None,
+    ) -> Obj:
+        path = path_for(api_version, kind, namespace, name)
+        if subresource:
+            path += f"/{subresource}"
+        query = [("fieldManager", manager)] if manager else []
+        return self.request("PATCH", path, body=patch, query=query, content_type=MERGE)
+
+    def delete(
+        self, api_version: str, kind: str, namespace: str | None, name: str, propagation: str | None = None
+    ) -> bool:
+        body = {"kind": "DeleteOptions", "apiVersion": "v1"}
+        if propagation:
+            body["propagationPolicy"] = propagation
+        try:
+            self.request("DELETE", path_for(api_version, kind, namespace, name), body=body)
+        except KubeError as err:
+            if err.not_found:
+                return False
+            raise
+        return True
