@@ -31,6 +31,10 @@ SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 SERVICE_LABEL = "kubernetes.io/service-name"
 
 
+class DiscoveryError(RuntimeError):
+    pass
+
+
 def static_specs(static: Iterable[StaticEndpoint]) -> list[EndpointSpec]:
     return [EndpointSpec(s.url.rstrip("/"), s.kv_events, s.kv_replay) for s in static]
 
@@ -111,7 +115,12 @@ def load_api_access() -> ApiAccess:
     from kubernetes import client, config  # only for reading kubeconfig
 
     cfg = client.Configuration()
-    config.load_kube_config(client_configuration=cfg)
+    try:
+        config.load_kube_config(client_configuration=cfg)
+    except (config.ConfigException, OSError, TypeError) as exc:
+        raise DiscoveryError(
+            f"EndpointSlice discovery needs in-cluster credentials or a kubeconfig: {exc}"
+        ) from None
     token = None
     auth = cfg.api_key.get("authorization") if cfg.api_key else None
     if auth:

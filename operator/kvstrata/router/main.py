@@ -21,8 +21,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kvstrata.router.hashing import UnsupportedHashAlgo
-from kvstrata.router.prompts import ChatTemplateError, TokenizerLoadError
+from kvstrata.router.discovery import DiscoveryError
+from kvstrata.router.hashing import UnsupportedHashAlgo, check_algo
+from kvstrata.router.prompts import ChatTemplateError, LocalTokenizer, TokenizerLoadError
 from kvstrata.router.settings import RouterSettings, StaticEndpoint
 
 log = logging.getLogger("kvstrata.router")
@@ -113,7 +114,9 @@ def _explain(exc: ValidationError) -> str:
     return "invalid router settings:\n" + "\n".join(lines)
 
 
-async def run(settings: RouterSettings, host: str, port: int) -> None:
+async def run(
+    settings: RouterSettings, host: str, port: int, tokenizer: LocalTokenizer | None = None
+) -> None:
     from kvstrata.router.service import RouterService
 
     stop = asyncio.Event()
@@ -121,7 +124,7 @@ async def run(settings: RouterSettings, host: str, port: int) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
-    async with RouterService(settings) as svc:
+    async with RouterService(settings, tokenizer=tokenizer) as svc:
         await svc.serve(host, port)
         assert svc.router is not None
         log.info(
@@ -151,14 +154,21 @@ def main(argv: list[str]) -> int:
         print(f"kvstrata router: {_explain(exc)}", file=sys.stderr)
         return 2
     try:
+        # Load (and check) the tokenizer and hash settings before anything binds a port.
+        check_algo(settings.hash_algo)
+        tokenizer = LocalTokenizer(settings.tokenizer) if settings.tokenizer else None
+    except (TokenizerLoadError, ChatTemplateError, UnsupportedHashAlgo) as exc:
+        print(f"kvstrata router: {exc}", file=sys.stderr)
+        return 2
+    try:
         import uvloop
 
         runner: Any = uvloop.run
     except ImportError:  # uvloop is optional at runtime (e.g. on platforms without wheels)
         runner = asyncio.run
     try:
-        runner(run(settings, args.host, args.port))
-    except (TokenizerLoadError, ChatTemplateError, UnsupportedHashAlgo) as exc:
+        runner(run(settings, args.host, args.port, tokenizer))
+    except DiscoveryError as exc:
         print(f"kvstrata router: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:

@@ -61,6 +61,13 @@ class RouterService:
         await self.stop()
 
     async def start(self) -> None:
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> None:
         s = self.settings
         connector = aiohttp.TCPConnector(
             limit=s.max_upstream_connections, limit_per_host=0, ttl_dns_cache=300, keepalive_timeout=60
