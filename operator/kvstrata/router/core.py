@@ -179,6 +179,8 @@ class Router:
                 )
                 return hashes, False, n
             return await self._fallback(req, "remote_tokenize_failed")
+        if self.settings.remote_tokenize and self.session is not None:
+            return await self._fallback(req, "remote_tokenize_unavailable")
         return await self._fallback(req, "no_tokenizer")
 
     async def _fallback(self, req: ParsedRequest, reason: str) -> tuple[list[int], bool, int | None]:
@@ -202,18 +204,27 @@ class Router:
         try:
             timeout = aiohttp.ClientTimeout(total=self.settings.connect_timeout_seconds * 2)
             async with self.session.post(ep.url + "/tokenize", json=body, timeout=timeout) as resp:
-                if resp.status == 404:
-                    # The engine has no /tokenize (not vLLM): stop asking for a while.
-                    self._remote_off_until = time.monotonic() + _REMOTE_TOKENIZE_BACKOFF_S
-                    return None
-                if resp.status != 200:
-                    return None
-                data = await resp.json()
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                if resp.status in (400, 413, 422):
+                    return None  # this prompt was refused (e.g. too long); the engine will say why
+                data = await resp.json(content_type=None) if resp.status == 200 else None
+        except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+            # Transient (that engine is busy or gone): try again on the next request.
             log.debug("remote tokenize on %s failed: %s", ep.url, exc)
             return None
+        except (aiohttp.ClientError, ValueError) as exc:
+            data = None
+            log.debug("remote tokenize on %s answered garbage: %s", ep.url, exc)
         tokens = data.get("tokens") if isinstance(data, dict) else None
-        return tokens if isinstance(tokens, list) else None
+        if not isinstance(tokens, list):
+            # Not a vLLM /tokenize (404, other server, bad body): stop paying a round trip per request.
+            log.info(
+                "engine %s has no usable /tokenize; character-block routing for %.0fs",
+                ep.url,
+                _REMOTE_TOKENIZE_BACKOFF_S,
+            )
+            self._remote_off_until = time.monotonic() + _REMOTE_TOKENIZE_BACKOFF_S
+            return None
+        return tokens
 
     # --- decisions -------------------------------------------------------------------------------
     def candidates(self) -> list[Endpoint]:

@@ -42,6 +42,8 @@ class Fake:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         self.bodies.append(await request.read())
+        if request.path == "/tokenize" and self.mode == "tokenize":
+            return web.json_response({"tokens": list(range(100)), "count": 100})
         if self.mode == "500":
             return web.json_response({"error": "boom"}, status=500)
         if self.mode == "drop":  # close the connection before answering
@@ -345,3 +347,29 @@ async def test_decision_headers_metrics_and_passthrough(
     assert 'kvstrata_router_decisions_total{reason="approx-prefix"} 1.0' in metrics
     assert "kvstrata_router_affinity_share 0.5" in metrics
     assert "kvstrata_router_actual_cached_tokens_total 14.0" in metrics
+
+
+async def test_remote_tokenize_gives_engine_hashes(
+    make_router: RouterFactory, fakes: Callable[..., Any]
+) -> None:
+    (eng,) = await fakes("tokenize")
+    h = await make_router([eng.url], remoteTokenize=True)
+    await h.post("/v1/completions", completion())
+    status, headers, _ = await h.post("/v1/completions", completion())
+    assert status == 200 and headers["x-kvstrata-reason"] == "prefix"
+    assert headers["x-kvstrata-predicted-cached-tokens"] == "96"  # 3 full blocks of the 100 tokens
+    assert b'"prompt"' in eng.bodies[0] and len(eng.bodies) == 4  # tokenize, complete, tokenize, complete
+
+
+async def test_engine_without_tokenize_falls_back_once_then_stops_asking(
+    make_router: RouterFactory, fakes: Callable[..., Any]
+) -> None:
+    (eng,) = await fakes("ok")  # answers /tokenize with JSON that has no tokens
+    h = await make_router([eng.url], remoteTokenize=True)
+    for _ in range(3):
+        status, _, _ = await h.post("/v1/completions", completion())
+        assert status == 200
+    assert len(eng.bodies) == 4  # one /tokenize, three completions
+    metrics = await (await h.client.get(h.base + "/metrics")).text()
+    assert 'kvstrata_router_fallbacks_total{reason="remote_tokenize_failed"} 1.0' in metrics
+    assert 'kvstrata_router_fallbacks_total{reason="remote_tokenize_unavailable"} 2.0' in metrics
