@@ -385,38 +385,55 @@ class CacheStatusScraper:
             del self.memory[uid]
 
 
-def register(
-    registry: Any,
-    scraper_factory: Callable[[], CacheStatusScraper],
-    settings: CacheStatusSettings | None = None,
+async def run_loop(
+    scraper: CacheStatusScraper,
+    keys: Callable[[], list[tuple[str, str]]],
+    concurrency: int = 4,
 ) -> None:
-    """Register the per-cluster timer on a kopf registry (kopf stops a cluster's timer when it is
-    deleted; the timer itself forgets a cluster whose body carries a deletionTimestamp).
+    """Every `interval`: tick each InferenceCluster the reconciler knows (`keys()`), a few at a time.
 
-    `scraper_factory` is called once, lazily, so the Kube client can be built at operator start-up."""
+    One loop rather than kopf timers: kopf puts a finalizer on every resource with a timer, and the
+    operator deliberately has none (a cluster stays deletable with the operator down)."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(key: tuple[str, str]) -> str | None:
+        async with gate:
+            try:
+                body = await asyncio.to_thread(scraper.kube.get, API_VERSION, KIND, key[0], key[1])
+                if body is None:
+                    return None
+                await scraper.tick(body)
+                return str(body["metadata"].get("uid", key[1]))
+            except Exception as err:  # one cluster's trouble must not stop the others' status
+                log.warning("cache status of %s/%s not updated: %s", key[0], key[1], err)
+                return None
+
+    while True:
+        started = time.monotonic()
+        seen = await asyncio.gather(*(one(k) for k in keys()))
+        scraper.prune({uid for uid in seen if uid})
+        await asyncio.sleep(max(0.5, scraper.settings.interval - (time.monotonic() - started)))
+
+
+def register(registry: Any, rt: Any) -> None:
+    """Start the cache-status loop with the operator (kopf startup/cleanup hooks on `registry`).
+
+    `rt` is the operator's `handlers.Runtime`: its Kube client, and its store, which lists the clusters
+    and receives our status writes so that the reconciler's next write carries them."""
     import kopf
 
-    from kvstrata.api.models import GROUP, PLURAL, VERSION
+    scraper = CacheStatusScraper(rt.kube, on_written=lambda key, resp: _remember(rt.store, key, resp))
+    tasks: list[asyncio.Task[None]] = []
 
-    settings = settings or CacheStatusSettings.from_env()
-    holder: dict[str, CacheStatusScraper] = {}
+    @kopf.on.startup(registry=registry)
+    async def start_cache_status(**_: Any) -> None:
+        tasks.append(asyncio.create_task(run_loop(scraper, rt.store.keys), name="kvstrata-cache-status"))
 
-    def scraper() -> CacheStatusScraper:
-        if "s" not in holder:
-            holder["s"] = scraper_factory()
-        return holder["s"]
+    @kopf.on.cleanup(registry=registry)
+    async def stop_cache_status(**_: Any) -> None:
+        for task in tasks:
+            task.cancel()
 
-    @kopf.timer(
-        GROUP,
-        VERSION,
-        PLURAL,
-        interval=settings.interval,
-        initial_delay=2.0,
-        registry=registry,
-        id="cache-status",
-    )
-    async def cache_status_timer(body: Any, logger: logging.Logger, **_: Any) -> None:
-        try:
-            await scraper().tick(dict(body))
-        except Exception as err:  # never let one cluster's trouble kill the timer
-            logger.warning("cache status not updated: %s", err)
+
+def _remember(store: Any, key: tuple[str, str], resp: Obj) -> None:
+    store.set_status(key, resp.get("status") or {}, (resp.get("metadata") or {}).get("resourceVersion"))

@@ -20,7 +20,7 @@ from typing import Any
 import kopf
 
 from kvstrata.api.models import GROUP, PLURAL, VERSION
-from kvstrata.controller import metrics, webhook
+from kvstrata.controller import cache_status, metrics, webhook
 from kvstrata.controller.apply import Applier
 from kvstrata.controller.kube import Kube
 from kvstrata.controller.reconcile import Fatal, Reconciler, Retry
@@ -147,3 +147,5 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
             metrics.ADMISSIONS.labels("allowed" if decision.allowed else "denied").inc()
             if not decision.allowed:
                 raise kopf.AdmissionError(decision.message, code=422)
+
+    cache_status.register(registry, rt)  # live hit rates in status.cache (cache_status.py)
