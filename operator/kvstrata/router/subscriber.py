@@ -119,10 +119,12 @@ class KvEventSubscriber:
             log.info("KV events %s: sequence restarted (%d after %d): engine restarted", self.url, seq, last)
             self.metrics.engine_restarts.labels(self.url).inc()
             self.index.drop_endpoint(self.url)
-            self.last_seq = None
+            self.last_seq = last = None
+        if last is None:
+            # First batch since start or restart: anything before it is history the replay buffer has.
             if seq > 0 and self.replay_addr:
                 await self._replay(0, seq)
-        elif last is not None and seq > last + 1:
+        elif seq > last + 1:
             self.metrics.kv_event_gaps.labels(self.url).inc()
             log.info("KV events %s: gap %d..%d", self.url, last + 1, seq - 1)
             if self.replay_addr:
