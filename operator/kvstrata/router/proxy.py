@@ -193,6 +193,12 @@ class Proxy:
                 except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
                     outcome = "disconnected"
                     return f"disconnected: {ep.url} while reading the response: {exc!r}"
+                except TimeoutError:
+                    # The engine answered but took longer than the whole budget: no time left to retry.
+                    outcome = "timeout"
+                    return json_error(
+                        504, f"{ep.url} did not finish within {self.timeout.total}s", code="upstream_timeout"
+                    )
                 out = web.Response(status=resp.status, body=body, headers=_response_headers(resp))
                 out.headers.update(self._decision_headers(decision, ep))
                 outcome = "ok" if resp.status < 400 else f"http_{resp.status // 100}xx"
