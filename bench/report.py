@@ -75,6 +75,8 @@ def machine() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "platform": platform.platform(),
         "python": platform.python_version(),
+        # Other work on the machine skews every figure: record how busy it was.
+        "loadavg_1m_5m_15m": [round(x, 2) for x in os.getloadavg()],
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 

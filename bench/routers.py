@@ -116,6 +116,8 @@ def router_argv(name: str, port: int, workers: list[Worker], cfg: RouterConfig) 
         str(cfg.block_size),
         "--policy",
         policy,
+        "--log-level",
+        "WARNING",  # every router logs at warning level: request logging is not what is measured
     ]
     if cfg.tokenizer_dir is not None:
         argv += ["--tokenizer", str(cfg.tokenizer_dir)]

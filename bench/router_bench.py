@@ -1,0 +1,372 @@
+"""`make bench-router`: cache hit rate and TTFT of each router in front of three real vLLM CPU engines.
+
+Three engines on the tiny generated model start once, with KV events on and a KV cache capped so that
+the three together hold the workload's working set but one alone does not. One seeded shared-prefix,
+multi-turn workload (bench/workload.py) then runs through each router in turn, on the same engines,
+with every engine's prefix cache reset before each router. The hit rate comes from the engines' own
+counters (`vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`, deltas summed over engines),
+TTFT from the client (streaming, time to the first content chunk).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import engine_metrics as em
+from bench.client import Result, run_conversations
+from bench.procs import BenchError, ProcGroup, sigterm_as_interrupt, wait_until
+from bench.report import fmt, machine, mean, percentile, table, write_json
+from bench.routers import RouterConfig, Worker, kvstrata_router_available, start_router
+from bench.workload import WorkloadSpec, build, distinct_blocks, schedule
+
+DEFAULT_ROUTERS = (
+    "vllm-router/round_robin",
+    "vllm-router/kv_aware",
+    "vllm-router/cache_aware",
+    "sglang-router/cache_aware",
+    "kvstrata/kv-aware",
+)
+MODEL = "tiny"
+ENGINES = 3
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise SystemExit(f"bench-router: {name} must be an integer, got {raw!r}") from None
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    d = WorkloadSpec()
+    p = argparse.ArgumentParser(prog="python -m bench.router_bench", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--routers",
+        default=os.environ.get("BENCH_ROUTERS", ",".join(DEFAULT_ROUTERS)),
+        help="comma-separated <impl>/<policy> list, run in this order (default: %(default)s)",
+    )
+    p.add_argument("--seed", type=int, default=_env_int("BENCH_SEED", d.seed))
+    p.add_argument(
+        "--groups",
+        type=int,
+        default=_env_int("BENCH_GROUPS", d.groups),
+        help="shared documents (env BENCH_GROUPS)",
+    )
+    p.add_argument(
+        "--conversations",
+        type=int,
+        default=_env_int("BENCH_CONVERSATIONS", d.conversations),
+        help="conversations, spread over the groups (env BENCH_CONVERSATIONS)",
+    )
+    p.add_argument("--turns", type=int, default=_env_int("BENCH_TURNS", d.turns), help="env BENCH_TURNS")
+    p.add_argument("--doc-tokens", type=int, default=_env_int("BENCH_DOC_TOKENS", d.doc_tokens))
+    p.add_argument("--user-tokens", type=int, default=d.user_tokens)
+    p.add_argument("--reply-tokens", type=int, default=d.reply_tokens)
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="tokens generated per request")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=_env_int("BENCH_CONCURRENCY", 6),
+        help="requests in flight at most (env BENCH_CONCURRENCY)",
+    )
+    p.add_argument(
+        "--block-size", type=int, default=32, help="engine --block-size (CPU needs a multiple of 32)"
+    )
+    p.add_argument(
+        "--engine-blocks",
+        type=int,
+        default=_env_int("BENCH_ENGINE_BLOCKS", 0),
+        help="KV blocks per engine (--num-gpu-blocks-override); 0 = 45%% of the working set",
+    )
+    p.add_argument("--out", type=Path, default=Path(".bench/router.json"))
+    p.add_argument("--workdir", type=Path, default=Path(".bench/router"))
+    return p.parse_args(argv)
+
+
+def _engine_blocks(working_set: int, longest_prompt: int, args: argparse.Namespace) -> tuple[int, int]:
+    """(blocks per engine, max model len). 45% of the working set each: three engines hold 1.35x of it, so
+    affinity routing can keep everything cached, while one engine cannot hold even the shared documents."""
+    need = longest_prompt + args.max_tokens
+    blocks = args.engine_blocks or math.ceil(working_set * 0.45)
+    # vLLM refuses to start unless one max-length request fits; and each engine runs a few at once.
+    blocks = max(blocks, math.ceil(need / args.block_size) * 2 + 1)
+    # vLLM keeps one block back (the null block): a max-length request must fit in the others.
+    max_len = min(4096, (blocks - 1) * args.block_size)
+    if max_len < need:
+        raise BenchError(
+            f"longest prompt needs {need} tokens but max model len is {max_len}: "
+            "lower --doc-tokens/--turns or raise --engine-blocks"
+        )
+    return blocks, max_len
+
+
+def _summarize(name: str, results: list[Result], rows: list[em.EngineDelta], wall: float) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    ttft = [r.ttft_s * 1000 for r in ok if r.ttft_s is not None]
+    first = [r.ttft_s * 1000 for r in ok if r.ttft_s is not None and r.turn == 0]
+    later = [r.ttft_s * 1000 for r in ok if r.ttft_s is not None and r.turn > 0]
+    errors = [r.error for r in results if not r.ok]
+    return {
+        "router": name,
+        "requests": len(results),
+        "errors": len(errors),
+        "error_samples": sorted(set(e for e in errors if e))[:5],
+        "hit_rate": em.cluster_hit_rate(rows),
+        "ttft_ms": {
+            "p50": percentile(ttft, 50),
+            "p90": percentile(ttft, 90),
+            "p99": percentile(ttft, 99),
+            "mean": mean(ttft),
+        },
+        "ttft_ms_first_turn_p50": percentile(first, 50),
+        "ttft_ms_later_turns_p50": percentile(later, 50),
+        "latency_ms_p50": percentile([r.latency_s * 1000 for r in ok], 50),
+        "per_engine_requests": [int(r.requests) for r in rows],
+        "split_max_over_mean": em.split_imbalance(rows),
+        "engines": [vars(r) for r in rows],
+        "wall_s": round(wall, 2),
+    }
+
+
+def _idle(engines: list[Any]) -> bool:
+    for e in engines:
+        for line in e.metrics().splitlines():
+            if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")) and float(
+                line.rsplit(" ", 1)[1]
+            ):
+                return False
+    return True
+
+
+def _reset_caches(engines: list[Any]) -> None:
+    wait_until("engines to go idle", lambda: _idle(engines), 120)
+    for e in engines:
+        e.reset_prefix_cache()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from tokenizers import Tokenizer
+
+    from kvstrata.testing.engines import EngineError, start_engines, stop_all, vllm_python
+    from kvstrata.testing.tinymodel import default_tiny_model_dir, ensure_tiny_model
+
+    routers = [r.strip() for r in args.routers.split(",") if r.strip()]
+    try:
+        vllm_python()
+    except EngineError as exc:
+        raise BenchError(str(exc)) from None
+    model_dir = ensure_tiny_model(default_tiny_model_dir())
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+
+    def count(text: str) -> int:
+        return len(tok.encode(text, add_special_tokens=False).ids)
+
+    spec = WorkloadSpec(
+        seed=args.seed,
+        groups=args.groups,
+        conversations=args.conversations,
+        turns=args.turns,
+        doc_tokens=args.doc_tokens,
+        user_tokens=args.user_tokens,
+        reply_tokens=args.reply_tokens,
+        max_tokens=args.max_tokens,
+    )
+    try:
+        convs = schedule(build(spec, count), args.seed)
+    except ValueError as exc:
+        raise BenchError(str(exc)) from None
+    token_lists = [tok.encode(p).ids for c in convs for p in c.prompts]
+    working_set = distinct_blocks(token_lists, args.block_size)
+    longest = max(len(t) for t in token_lists)
+    blocks, max_len = _engine_blocks(working_set, longest, args)
+    workload_info = {
+        **vars(spec),
+        "concurrency": args.concurrency,
+        "requests": len(token_lists),
+        "prompt_tokens_total": sum(len(t) for t in token_lists),
+        "longest_prompt_tokens": longest,
+        "working_set_blocks": working_set,
+        "block_size": args.block_size,
+    }
+    print(
+        f"workload: {len(convs)} conversations x {spec.turns} turns over {spec.groups} shared documents "
+        f"(~{spec.doc_tokens} tokens each), {len(token_lists)} requests, working set {working_set} blocks; "
+        f"engines: {ENGINES} x {blocks} blocks ({blocks * args.block_size} tokens), max len {max_len}",
+        flush=True,
+    )
+
+    skipped: dict[str, str] = {}
+    if any(r.startswith("kvstrata/") for r in routers) and not kvstrata_router_available():
+        for r in [r for r in routers if r.startswith("kvstrata/")]:
+            skipped[r] = "`kvstrata router --help` does not work yet"
+            routers.remove(r)
+
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    results: list[dict[str, Any]] = []
+    t0 = time.monotonic()
+    engines = start_engines(
+        ENGINES,
+        model_dir,
+        kv_events=True,
+        kv_replay=True,
+        log_dir=args.workdir / "logs",
+        block_size=args.block_size,
+        num_gpu_blocks_override=blocks,
+        max_model_len=max_len,
+        served_model_name=MODEL,
+    )
+    engines_ready = time.monotonic() - t0
+    print(f"engines ready in {engines_ready:.0f} s: {', '.join(e.base_url for e in engines)}", flush=True)
+    try:
+        workers = [Worker(e.base_url, e.kv_events_endpoint, e.kv_replay_endpoint) for e in engines]
+        cfg = RouterConfig(model=MODEL, tokenizer_dir=model_dir, block_size=args.block_size)
+        with ProcGroup(args.workdir / "logs") as procs:
+            for name in routers:
+                results.append(_run_router(procs, name, workers, cfg, engines, convs, args))
+    finally:
+        stop_all(engines)
+    return {
+        "benchmark": "router",
+        "machine": machine(),
+        "engines": {
+            "count": ENGINES,
+            "blocks_each": blocks,
+            "block_size": args.block_size,
+            "max_model_len": max_len,
+            "ready_s": round(engines_ready, 1),
+            "model": "tiny generated Llama (dummy weights)",
+            "vllm": "0.32.0 CPU",
+        },
+        "workload": workload_info,
+        "skipped": skipped,
+        "results": results,
+        "total_s": round(time.monotonic() - t0, 1),
+    }
+
+
+def _run_router(
+    procs: ProcGroup,
+    name: str,
+    workers: list[Worker],
+    cfg: RouterConfig,
+    engines: list[Any],
+    convs: list[Any],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    print(f"- {name}: starting", flush=True)
+    running = None
+    try:
+        running = start_router(procs, name, workers, cfg)
+        _reset_caches(engines)
+        before = [em.parse_counters(e.metrics()) for e in engines]
+        start = time.monotonic()
+        res = asyncio.run(run_conversations(running.url, MODEL, convs, args.max_tokens, args.concurrency))
+        wall = time.monotonic() - start
+        after = [em.parse_counters(e.metrics()) for e in engines]
+        if not running.proc.alive():
+            print(f"  {name} exited during the run; log tail:\n{running.proc.log_tail()}", flush=True)
+        row = _summarize(name, res, em.deltas([e.base_url for e in engines], before, after), wall)
+        row["ready_s"] = running.ready_seconds
+        print(
+            f"  hit rate {fmt(_pct(row['hit_rate']))}%  TTFT p50 {fmt(row['ttft_ms']['p50'], 0)} ms  "
+            f"errors {row['errors']}  split {row['per_engine_requests']}  wall {wall:.0f} s",
+            flush=True,
+        )
+        return row
+    except BenchError as exc:
+        print(f"  {name} FAILED: {exc}", flush=True)
+        return {"router": name, "problem": str(exc).splitlines()[0], "detail": str(exc)}
+    finally:
+        if running is not None:
+            procs.stop(running.proc)
+
+
+def _pct(x: float | None) -> float | None:
+    return None if x is None else 100 * x
+
+
+def render(payload: dict[str, Any]) -> str:
+    headers = [
+        "router",
+        "hit %",
+        "TTFT p50",
+        "p90",
+        "p99",
+        "mean",
+        "errors",
+        "per-engine",
+        "max/mean",
+        "wall s",
+    ]
+    rows = []
+    for r in payload["results"]:
+        if "problem" in r:
+            rows.append([r["router"], "FAILED", "-", "-", "-", "-", "-", "-", "-", "-"])
+            continue
+        t = r["ttft_ms"]
+        rows.append(
+            [
+                r["router"],
+                fmt(_pct(r["hit_rate"])),
+                fmt(t["p50"], 0),
+                fmt(t["p90"], 0),
+                fmt(t["p99"], 0),
+                fmt(t["mean"], 0),
+                str(r["errors"]),
+                "/".join(str(n) for n in r["per_engine_requests"]),
+                fmt(r["split_max_over_mean"], 2),
+                fmt(r["wall_s"], 0),
+            ]
+        )
+    w, e = payload["workload"], payload["engines"]
+    lines = [
+        f"router benchmark: {w['requests']} requests ({w['conversations']} conversations x {w['turns']} turns, "
+        f"{w['groups']} shared documents), concurrency {w['concurrency']}, {e['count']} vLLM CPU engines x "
+        f"{e['blocks_each']} KV blocks (working set {w['working_set_blocks']} blocks), "
+        f"{payload['machine']['cpus']} CPUs; TTFT in ms",
+        table(headers, rows),
+    ]
+    for r in payload["results"]:
+        if "problem" in r:
+            lines.append(f"! {r['router']}: {r['problem']}")
+        elif r["errors"]:
+            lines.append(f"! {r['router']}: {r['errors']} errors, e.g. {r['error_samples'][:2]}")
+    for name, why in payload["skipped"].items():
+        lines.append(f"skipped {name}: {why}")
+    lines.append(f"total {payload['total_s']:.0f} s including engine start ({e['ready_s']:.0f} s)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        with sigterm_as_interrupt():
+            payload = run(args)
+    except BenchError as exc:
+        print(f"bench-router: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("bench-router: interrupted; all processes stopped", file=sys.stderr)
+        return 130
+    except Exception as exc:  # EngineError and friends: say what failed, no traceback
+        print(f"bench-router: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    write_json(args.out, payload)
+    print()
+    print(render(payload))
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,110 @@
+"""The shared-prefix, multi-turn workload of `make bench-router`, generated from a seed.
+
+`groups` long documents; each of `conversations` conversations belongs to one group (round-robin) and
+asks `turns` questions about its document. Turn k's prompt is the document followed by the whole
+conversation so far, so it extends turn k-1's prompt exactly: a router that sends a conversation back
+to the engine that holds its prefix saves the prefill of everything but the new tail. Assistant turns
+in the history are canned text from the same seed, not the model's output, so every router sees
+byte-identical prompts. Pure: the same arguments always give the same workload.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+_ONSETS = ("b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "st", "tr", "ch")
+_VOWELS = ("a", "e", "i", "o", "u", "ai", "ea", "ou")
+_CODAS = ("", "", "n", "r", "s", "t", "l", "m")
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    seed: int = 7
+    groups: int = 6
+    conversations: int = 18
+    turns: int = 3
+    doc_tokens: int = 768
+    user_tokens: int = 48
+    reply_tokens: int = 24
+    max_tokens: int = 8
+
+    def validate(self) -> None:
+        for name in (
+            "groups",
+            "conversations",
+            "turns",
+            "doc_tokens",
+            "user_tokens",
+            "reply_tokens",
+            "max_tokens",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.conversations < self.groups:
+            raise ValueError(f"conversations ({self.conversations}) must be >= groups ({self.groups})")
+
+
+@dataclass(frozen=True)
+class Conversation:
+    cid: int
+    group: int
+    prompts: tuple[str, ...]  # prompt of turn 0, 1, ...; each extends the previous one
+
+
+def _words(rng: random.Random, n: int) -> list[str]:
+    out = []
+    for _ in range(n):
+        syllables = rng.randint(1, 3)
+        out.append(
+            "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(syllables))
+        )
+    return out
+
+
+def _text(rng: random.Random, tokens: int, count: Callable[[str], int]) -> str:
+    """Text of about `tokens` tokens: grow by words, trim back to the target."""
+    words: list[str] = []
+    while count(" ".join(words)) < tokens:
+        words += _words(rng, max(4, (tokens - count(" ".join(words))) // 2))
+    while len(words) > 1 and count(" ".join(words[:-1])) >= tokens:
+        words.pop()
+    return " ".join(words)
+
+
+def build(spec: WorkloadSpec, count_tokens: Callable[[str], int]) -> list[Conversation]:
+    spec.validate()
+    rng = random.Random(spec.seed)
+    docs = [
+        f"Document {g}.\n" + _text(rng, spec.doc_tokens, count_tokens) + "\n\n" for g in range(spec.groups)
+    ]
+    convs = []
+    for cid in range(spec.conversations):
+        group = cid % spec.groups
+        history = docs[group]
+        prompts = []
+        for _ in range(spec.turns):
+            history += f"User {cid}: " + _text(rng, spec.user_tokens, count_tokens) + "\nAssistant:"
+            prompts.append(history)
+            history += " " + _text(rng, spec.reply_tokens, count_tokens) + "\n"
+        convs.append(Conversation(cid, group, tuple(prompts)))
+    return convs
+
+
+def schedule(convs: Sequence[Conversation], seed: int) -> list[Conversation]:
+    """The order conversations are started in: shuffled, so groups interleave."""
+    order = list(convs)
+    random.Random(seed + 1).shuffle(order)
+    return order
+
+
+def distinct_blocks(token_lists: Sequence[Sequence[int]], block_size: int) -> int:
+    """Number of distinct full KV blocks (as prefix-chained keys) over all prompts: the working set."""
+    seen: set[object] = set()
+    for ids in token_lists:
+        key: object = None
+        for end in range(block_size, len(ids) + 1, block_size):
+            key = (key, tuple(ids[end - block_size : end]))  # chained like vLLM's block hashes
+            seen.add(key)
+    return len(seen)
