@@ -1,0 +1,340 @@
+"""`make demo`: the whole stack on the local cluster with real vLLM engines, a workload, live hit rates.
+
+    python -m kvstrata.e2e.demo up [--example examples/tiny-cpu.yaml] [--requests 32] [--exit]
+    python -m kvstrata.e2e.demo down
+
+`up` brings the local control plane up (building it on first use), installs the CRD, runs the operator,
+creates the model PVC, applies the example, runs the launcher (real engine and router processes for the
+kwok pods), waits for READY n/n, drives a shared-prefix workload through the router, prints
+`kubectl get ic` and a per-tier table, then keeps everything running until Ctrl-C (or `--exit`).
+`down` (from another shell) stops whatever a running or crashed `up` left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from kvstrata.controller.hitrate import Counters
+from kvstrata.controller.promtext import parse_engine
+from kvstrata.e2e import workload
+from kvstrata.e2e.stack import REPO, Stack, StackError, load_manifest, say, stop_recorded
+from kvstrata.localcluster import cluster, versions
+from kvstrata.localcluster.layout import Layout
+from kvstrata.testing.engines import group_pids
+from kvstrata.testing.tinymodel import kvstrata_cache
+
+DEFAULT_EXAMPLE = REPO / "examples" / "tiny-cpu.yaml"
+NAMESPACE = "kvstrata-demo"
+
+
+def demo_dir() -> Path:
+    return kvstrata_cache() / "demo"
+
+
+# ------------------------------------------------------------------------------------- measuring
+def _children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
+
+
+def _tree(root: int) -> list[int]:
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(_children(pid))
+    return out
+
+
+def _rss(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class PeakMemory:
+    """Peak of the summed RSS of this process tree, the processes the launcher started and the local
+    control plane, sampled every second in a thread."""
+
+    def __init__(self, layout: Layout, launcher_state: Path) -> None:
+        self.layout = layout
+        self.launcher_state = launcher_state
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="peak-memory", daemon=True)
+
+    def sample(self) -> int:
+        pids = set(_tree(os.getpid()))
+        for pid in cluster.status(self.layout).running.values():
+            if pid:
+                pids.update(_tree(pid))
+        with contextlib.suppress(OSError, ValueError):
+            for entry in json.loads((self.launcher_state / "procs.json").read_text()).values():
+                if entry.get("pid"):
+                    pids.update(group_pids(entry["pid"]))
+        return sum(_rss(p) for p in pids)
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            self.peak = max(self.peak, self.sample())
+
+    def __enter__(self) -> PeakMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+
+
+# ---------------------------------------------------------------------------------------- output
+def _pct(v: Any) -> str:
+    return "-" if v is None else f"{100 * float(v):.1f}%"
+
+
+def tier_table(ic: dict[str, Any]) -> str:
+    spec, st = ic["spec"], ic.get("status") or {}
+    cache = st.get("cache") or {}
+    tiers = (spec.get("kvCache") or {}).get("tiers") or {}
+    rows = [("tier", "configured", "hit rate (window)")]
+    rows.append(("gpu (engine KV pool)", "yes", _pct(cache.get("gpuHitRate"))))
+    external = _pct(cache.get("externalHitRate"))
+    for tier in ("cpu", "nvme"):
+        rows.append(
+            (f"{tier} (offload)", "yes" if tier in tiers else "no", external if tier in tiers else "-")
+        )
+    rows.append(("all tiers", "", _pct(cache.get("hitRate"))))
+    lines = _table(rows)
+    lines.append("")
+    pod_rows = [("pod", "ready", "hit rate", "kv usage", "running", "waiting")]
+    for p in cache.get("pods") or []:
+        pod_rows.append(
+            (
+                p["pod"],
+                "yes" if p.get("ready") else "no",
+                _pct(p.get("hitRate")),
+                _pct(p.get("kvUsage")),
+                str(p.get("running", "-")),
+                str(p.get("waiting", "-")),
+            )
+        )
+    lines += _table(pod_rows)
+    router = st.get("router") or {}
+    lines.append("")
+    lines.append(
+        f"router: {router.get('requests', '-')} requests, affinity-routed {_pct(router.get('affinityShare'))}, "
+        f"{router.get('fallbacks', '-')} fallbacks; since start: {_pct(cache.get('hitRateTotal'))} of "
+        f"{cache.get('queriedTokens', '-')} prompt tokens from cache"
+    )
+    return "\n".join(lines)
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
+
+# ------------------------------------------------------------------------------------------ steps
+def engine_counters(stack: Stack) -> Counters:
+    """The engines' own prefix-cache counters, summed (what the status must agree with)."""
+    total = Counters()
+    port = int((stack.manifest["spec"].get("engine") or {}).get("port", 8000))
+    for pod in stack.pods("engine"):
+        ip = pod.get("status", {}).get("podIP")
+        with urllib.request.urlopen(f"http://{ip}:{port}/metrics", timeout=10) as resp:
+            total = total + parse_engine(resp.read().decode()).counters
+    return total
+
+
+def wait_status_caught_up(stack: Stack, timeout: float = 120) -> tuple[dict[str, Any], Counters]:
+    """Until status.cache counts every prompt token the engines counted, with a window hit rate."""
+    deadline = time.monotonic() + timeout
+    while True:
+        engines = engine_counters(stack)
+        ic = stack.ic()
+        cache = (ic.get("status") or {}).get("cache") or {}
+        if cache.get("hitRate") is not None and cache.get("queriedTokens") == int(engines.queries):
+            return ic, engines
+        if time.monotonic() > deadline:
+            raise StackError(
+                f"status.cache did not catch up with the engines ({int(engines.queries)} prompt tokens) "
+                f"within {timeout:.0f}s: {cache}"
+            )
+        time.sleep(1)
+
+
+def up(args: argparse.Namespace) -> int:
+    t0 = time.monotonic()
+    state = demo_dir()
+    state.mkdir(parents=True, exist_ok=True)
+    (state / "demo.pid").write_text(str(os.getpid()))
+    manifest = load_manifest(args.example)
+    from kvstrata.localcluster.session import acquire, release
+
+    layout = Layout(versions.default_state_dir().resolve())
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+
+    say("local control plane: building on first use, else reusing (kvstrata cluster up)")
+    lc = acquire()
+    stack = Stack(lc, args.namespace, manifest, state, status_interval=args.status_interval)
+    try:
+        with PeakMemory(layout, state / "launcher") as mem:
+            stack.install_api()
+            stack.start_operator()
+            stack.prepare_model()
+            stack.apply_cluster()
+            say(
+                f"applied {args.example.relative_to(REPO) if args.example.is_relative_to(REPO) else args.example}"
+            )
+            stack.start_launcher()
+            say("starting real vLLM engines for the kwok pods (about 150 s for three on 2 cores) ...")
+            shown = [""]
+
+            def tick(ic: dict[str, Any]) -> None:
+                ready = (ic.get("status") or {}).get("ready") or "-"
+                if ready != shown[0]:
+                    say(f"READY {ready}  ({time.monotonic() - t0:.0f}s)")
+                    shown[0] = ready
+                if stop.is_set():
+                    raise KeyboardInterrupt
+
+            stack.wait_ready(timeout=args.ready_timeout, on_tick=tick)
+            ready_s = time.monotonic() - t0
+            url, model = stack.router_url(), stack.served_model()
+            reqs = workload.shared_prefix_requests(
+                groups=args.groups,
+                per_group=max(1, args.requests // args.groups),
+                tokenizer_json=_tokenizer_json(stack),
+            )
+            say(f"ready after {ready_s:.0f}s; {len(reqs)} shared-prefix requests through the router at {url}")
+            result = asyncio.run(workload.run(url, model, reqs, concurrency=args.concurrency))
+            if result.failed:
+                say(f"{result.failed} request(s) failed, e.g. {result.errors[0]}")
+            say("waiting for the operator's next scrape of the engines' /metrics ...")
+            ic, _ = wait_status_caught_up(stack)
+            total_s = time.monotonic() - t0
+            peak = max(mem.peak, mem.sample())
+        print()
+        print(lc.kubectl("get", "ic", "-n", args.namespace).stdout.rstrip())
+        print()
+        print(tier_table(ic))
+        print()
+        print(
+            f"demo: ready in {ready_s:.0f}s, workload {result.ok}/{len(reqs)} ok in {result.seconds:.1f}s, "
+            f"total {total_s:.0f}s, peak memory {peak / 2**30:.1f} GiB"
+        )
+        (state / "last-run.json").write_text(
+            json.dumps(
+                {
+                    "ready_seconds": round(ready_s, 1),
+                    "total_seconds": round(total_s, 1),
+                    "peak_rss_bytes": peak,
+                    "requests_ok": result.ok,
+                    "requests_failed": result.failed,
+                    "hit_rate": (ic["status"]["cache"] or {}).get("hitRate"),
+                },
+                indent=2,
+            )
+        )
+        if not args.exit:
+            print(
+                f"\nThe stack keeps running: kubectl -n {args.namespace} get ic,pods (after "
+                f"`eval $(kvstrata cluster env)`), curl {url}/v1/completions ...\n"
+                "Press Ctrl-C here, or run `make demo-down`, to stop everything.",
+                flush=True,
+            )
+            stop.wait()
+        return 0 if not result.failed else 1
+    except KeyboardInterrupt:
+        say("interrupted")
+        return 130
+    except StackError as e:
+        say(f"failed: {e}")
+        return 1
+    finally:
+        say("stopping launcher (engines, router) and operator ...")
+        stack.stop()
+        lc.kubectl("delete", "namespace", args.namespace, "--wait=false", "--ignore-not-found", check=False)
+        if release(lc):
+            say("stopped the local control plane (the demo had started it)")
+        (state / "demo.pid").unlink(missing_ok=True)
+
+
+def _tokenizer_json(stack: Stack) -> Path | None:
+    procs = stack.launcher_procs()
+    for entry in procs.values():
+        argv = entry.get("argv") or []
+        if entry.get("component") == "engine" and "--model" in argv:
+            path = Path(argv[argv.index("--model") + 1]) / "tokenizer.json"
+            return path if path.exists() else None
+    return None
+
+
+def down(_: argparse.Namespace) -> int:
+    state = demo_dir()
+    pid_file = state / "demo.pid"
+    with contextlib.suppress(OSError, ValueError, ProcessLookupError):
+        pid = int(pid_file.read_text())
+        os.kill(pid, signal.SIGTERM)
+        say(f"asked the running demo (pid {pid}) to stop; waiting ...")
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
+            time.sleep(0.5)
+    stopped = stop_recorded(state)
+    if stopped:
+        say(f"stopped leftovers: {', '.join(stopped)}")
+    layout = Layout(versions.default_state_dir().resolve())
+    from kvstrata.localcluster.session import FIXTURE_MARK
+
+    if (layout.root / FIXTURE_MARK).exists() and cluster.status(layout).any_up:
+        from kvstrata.localcluster.session import _live_users
+
+        if not _live_users(layout):
+            cluster.down(layout)
+            (layout.root / FIXTURE_MARK).unlink(missing_ok=True)
+            say("stopped the local control plane")
+    say("demo is down")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvstrata.e2e.demo", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    u = sub.add_parser("up", help="bring the demo up, run the workload, print hit rates, wait for Ctrl-C")
+    u.add_argument("--example", type=Path, default=DEFAULT_EXAMPLE)
+    u.add_argument("--namespace", default=NAMESPACE)
+    u.add_argument("--requests", type=int, default=32)
+    u.add_argument("--groups", type=int, default=4, help="distinct shared prefixes")
+    u.add_argument("--concurrency", type=int, default=4)
+    u.add_argument("--status-interval", type=float, default=5.0, help="operator cache-status scrape period")
+    u.add_argument("--ready-timeout", type=float, default=900.0)
+    u.add_argument("--exit", action="store_true", help="stop everything after printing the results")
+    sub.add_parser("down", help="stop a running demo and everything it started")
+    args = p.parse_args(argv)
+    if args.cmd == "up":
+        args.example = args.example.resolve()
+        return up(args)
+    return down(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,322 @@
+"""The whole stack on the local cluster, as the demo and the e2e tests bring it up and down.
+
+Order: CRD (+ the chart when it has an operator) → operator process → the model PVC with the tiny model
+written into its volume → the InferenceCluster → the launcher (runs the pods' real processes) → wait
+until the cluster reports READY n/n from real engines. Every process this module starts runs in its own
+process group, is recorded in `<state>/pids.json`, and is stopped by `Stack.stop` (or `stop_recorded`
+from another process, which is what `make demo-down` does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvstrata.localcluster.session import LocalCluster
+from kvstrata.testing.engines import free_port, group_alive
+from kvstrata.testing.tinymodel import ensure_tiny_model
+
+REPO = Path(__file__).resolve().parents[3]
+CRD_DIR = REPO / "crds"
+CHART_DIR = REPO / "charts" / "kvstrata"
+Obj = dict[str, Any]
+
+
+class StackError(RuntimeError):
+    """A step of bringing the stack up failed; the message names the step and the log to read."""
+
+
+def say(msg: str) -> None:
+    print(f"[kvstrata demo] {msg}", file=sys.stderr, flush=True)
+
+
+def load_manifest(path: Path) -> Obj:
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise StackError(f"cannot read {path}: {e}") from None
+    if not isinstance(doc, dict) or doc.get("kind") != "InferenceCluster":
+        raise StackError(f"{path} is not an InferenceCluster manifest")
+    return doc
+
+
+def tiny_model_kwargs(manifest: Obj) -> dict[str, int]:
+    """ensure_tiny_model arguments from the manifest's architecture block (what the planner planned)."""
+    arch = (manifest["spec"]["model"].get("architecture")) or {}
+    mapping = {
+        "num_layers": "numLayers",
+        "hidden_size": "hiddenSize",
+        "num_heads": "numAttentionHeads",
+        "num_kv_heads": "numKvHeads",
+        "head_dim": "headDim",
+        "vocab_size": "vocabSize",
+        "max_position_embeddings": "maxPositionEmbeddings",
+    }
+    return {k: int(arch[v]) for k, v in mapping.items() if v in arch}
+
+
+def model_claim(manifest: Obj) -> tuple[str, str]:
+    source = manifest["spec"]["model"]["source"]
+    if not source.startswith("pvc://"):
+        raise StackError(f"the local stack needs a pvc:// model source, got {source!r}")
+    claim, _, path = source.removeprefix("pvc://").partition("/")
+    return claim, path.strip("/")
+
+
+@dataclass
+class Proc:
+    name: str
+    argv: list[str]
+    log: Path
+    env: dict[str, str] = field(default_factory=dict)
+    popen: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Proc:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as out:
+            self.popen = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **self.env},
+                start_new_session=True,
+            )
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen else None
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+
+def stop_group(pgid: int, grace: float) -> None:
+    """SIGTERM a process group, SIGKILL what is left after `grace` seconds."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def stop_recorded(state_dir: Path) -> list[str]:
+    """Stop every process recorded in `<state_dir>/pids.json` (launcher first: it stops the engines)."""
+    pids_file = state_dir / "pids.json"
+    try:
+        pids: dict[str, int] = json.loads(pids_file.read_text())
+    except (OSError, ValueError):
+        return []
+    stopped = []
+    for name in ("launcher", "operator"):
+        pid = pids.get(name)
+        if pid and group_alive(pid):
+            stop_group(pid, grace=60 if name == "launcher" else 15)
+            stopped.append(name)
+    # Engines the launcher could not stop (it was SIGKILLed): their groups are in procs.json.
+    with contextlib.suppress(OSError, ValueError):
+        for entry in json.loads((state_dir / "launcher" / "procs.json").read_text()).values():
+            if entry.get("pid") and group_alive(entry["pid"]):
+                stop_group(entry["pid"], grace=15)
+                stopped.append(entry["pod"])
+    pids_file.unlink(missing_ok=True)
+    return stopped
+
+
+class Stack:
+    def __init__(
+        self,
+        lc: LocalCluster,
+        namespace: str,
+        manifest: Obj,
+        state_dir: Path,
+        *,
+        status_interval: float = 5.0,
+        log: Callable[[str], None] = say,
+    ) -> None:
+        self.lc = lc
+        self.namespace = namespace
+        self.manifest = manifest
+        self.name = manifest["metadata"]["name"]
+        self.state_dir = state_dir
+        self.status_interval = status_interval
+        self.log = log
+        self.procs: dict[str, Proc] = {}
+        self.operator_ports: dict[str, int] = {}
+
+    # --- processes ---------------------------------------------------------------------------
+    def _record(self) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        pids = {n: p.pid for n, p in self.procs.items() if p.pid}
+        (self.state_dir / "pids.json").write_text(json.dumps(pids))
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
+        proc = Proc(name, argv, self.state_dir / "logs" / f"{name}.log", env or {}).start()
+        self.procs[name] = proc
+        self._record()
+        return proc
+
+    def check_alive(self) -> None:
+        for name, p in self.procs.items():
+            if not p.alive():
+                tail = (
+                    "\n".join(p.log.read_text(errors="replace").splitlines()[-30:]) if p.log.exists() else ""
+                )
+                raise StackError(f"the {name} process exited; log {p.log}:\n{tail}")
+
+    # --- steps -------------------------------------------------------------------------------
+    def install_api(self) -> None:
+        """The CRD, from the checked-in YAML (what the chart ships too)."""
+        crds = sorted(CRD_DIR.glob("*.yaml"))
+        if not crds:
+            raise StackError(f"no CRDs in {CRD_DIR} (run `make crds`)")
+        for crd in crds:
+            self.lc.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd))
+        self.lc.kubectl(
+            "wait", "--for=condition=Established", "--timeout=60s", "crd/inferenceclusters.kvstrata.io"
+        )
+        self.lc.kubectl("create", "namespace", self.namespace, check=False)
+
+    def start_operator(self, kubeconfig: Path | None = None) -> None:
+        self.operator_ports = {"metrics": free_port(), "health": free_port()}
+        argv = [
+            sys.executable,
+            "-m",
+            "kvstrata.cli",
+            "operator",
+            "--kubeconfig",
+            str(kubeconfig or self.lc.kubeconfig),
+            "--namespace",
+            self.namespace,
+            "--no-webhook",
+            "--metrics-addr",
+            "127.0.0.1",
+            "--metrics-port",
+            str(self.operator_ports["metrics"]),
+            "--health-addr",
+            "127.0.0.1",
+            "--health-port",
+            str(self.operator_ports["health"]),
+            "--log-format",
+            "text",
+        ]
+        self._spawn("operator", argv, {"KVSTRATA_CACHE_STATUS_INTERVAL": str(self.status_interval)})
+        self.log(f"operator running (pid {self.procs['operator'].pid}), log {self.procs['operator'].log}")
+
+    def prepare_model(self) -> Path:
+        """The `models` PVC, bound by the local provisioner, with the tiny model written into its volume."""
+        claim, path = model_claim(self.manifest)
+        pvc = {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": claim, "namespace": self.namespace},
+            "spec": {"accessModes": ["ReadOnlyMany"], "resources": {"requests": {"storage": "1Gi"}}},
+        }
+        self.lc.apply(pvc)
+
+        def bound() -> str | None:
+            got = self.lc.kubectl_json("get", "pvc", claim, "-n", self.namespace)
+            return got["spec"].get("volumeName") if got.get("status", {}).get("phase") == "Bound" else None
+
+        pv_name = self.lc.wait_for(f"PVC {claim} bound", bound, timeout=60)
+        pv = self.lc.kubectl_json("get", "pv", pv_name)
+        host_path = Path(pv["spec"]["hostPath"]["path"])
+        model_dir = ensure_tiny_model(host_path / path, **tiny_model_kwargs(self.manifest))
+        self.log(f"model volume: PVC {claim} -> PV {pv_name} -> {model_dir}")
+        return model_dir
+
+    def apply_cluster(self, manifest: Obj | None = None) -> None:
+        if manifest is not None:
+            self.manifest = manifest
+        self.lc.apply(self.manifest, namespace=self.namespace)
+
+    def start_launcher(self) -> None:
+        argv = [
+            sys.executable,
+            "-m",
+            "kvstrata.e2e.launcher",
+            "--kubeconfig",
+            str(self.lc.kubeconfig),
+            "--state-dir",
+            str(self.state_dir / "launcher"),
+            "--namespace",
+            self.namespace,
+        ]
+        self._spawn("launcher", argv)
+        self.log(f"launcher running (pid {self.procs['launcher'].pid}), log {self.procs['launcher'].log}")
+
+    # --- observation -------------------------------------------------------------------------
+    def ic(self) -> Obj:
+        return self.lc.kubectl_json("get", "inferencecluster", self.name, "-n", self.namespace)
+
+    def pods(self, component: str) -> list[Obj]:
+        sel = f"app.kubernetes.io/instance={self.name},app.kubernetes.io/component={component}"
+        return self.lc.kubectl_json("get", "pods", "-n", self.namespace, "-l", sel)["items"]
+
+    def launcher_procs(self) -> dict[str, Obj]:
+        try:
+            return json.loads((self.state_dir / "launcher" / "procs.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def condition(self, ctype: str) -> Obj | None:
+        conds = (self.ic().get("status") or {}).get("conditions") or []
+        return next((c for c in conds if c.get("type") == ctype), None)
+
+    def wait_ready(self, timeout: float = 900, on_tick: Callable[[Obj], None] | None = None) -> Obj:
+        """Until the InferenceCluster's Ready condition is True (real engines answered their probes)."""
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            self.check_alive()
+            ic = self.ic()
+            st = ic.get("status") or {}
+            conds = {c["type"]: c for c in st.get("conditions") or []}
+            if on_tick is not None:
+                on_tick(ic)
+            ready = conds.get("Ready", {})
+            if ready.get("status") == "True" and st.get("observedGeneration") == ic["metadata"]["generation"]:
+                return ic
+            last = ready.get("message") or st.get("ready")
+            time.sleep(2)
+        raise StackError(
+            f"{self.name} not Ready after {timeout:.0f}s (last: {last}); logs in {self.state_dir}/logs"
+        )
+
+    def router_url(self) -> str:
+        pods = [p for p in self.pods("router") if p.get("status", {}).get("podIP")]
+        if not pods:
+            raise StackError("no router pod with an IP")
+        port = int((self.manifest["spec"].get("router") or {}).get("port", 8080))
+        return f"http://{pods[0]['status']['podIP']}:{port}"
+
+    def served_model(self) -> str:
+        model = self.manifest["spec"]["model"]
+        return str(model.get("servedName") or model["name"])
+
+    # --- teardown ----------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Launcher first (it stops engines and the router), then the operator."""
+        for name in ("launcher", "operator"):
+            p = self.procs.get(name)
+            if p is not None and p.pid is not None:
+                stop_group(p.pid, grace=60 if name == "launcher" else 15)
+        stop_recorded(self.state_dir)
+        self.procs.clear()
