@@ -21,12 +21,9 @@ import signal
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from kvstrata.controller.hitrate import Counters
-from kvstrata.controller.promtext import parse_engine
 from kvstrata.e2e import workload
 from kvstrata.e2e.stack import REPO, Stack, StackError, load_manifest, say, stop_recorded
 from kvstrata.localcluster import cluster, versions
@@ -152,34 +149,6 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------ steps
-def engine_counters(stack: Stack) -> Counters:
-    """The engines' own prefix-cache counters, summed (what the status must agree with)."""
-    total = Counters()
-    port = int((stack.manifest["spec"].get("engine") or {}).get("port", 8000))
-    for pod in stack.pods("engine"):
-        ip = pod.get("status", {}).get("podIP")
-        with urllib.request.urlopen(f"http://{ip}:{port}/metrics", timeout=10) as resp:
-            total = total + parse_engine(resp.read().decode()).counters
-    return total
-
-
-def wait_status_caught_up(stack: Stack, timeout: float = 120) -> tuple[dict[str, Any], Counters]:
-    """Until status.cache counts every prompt token the engines counted, with a window hit rate."""
-    deadline = time.monotonic() + timeout
-    while True:
-        engines = engine_counters(stack)
-        ic = stack.ic()
-        cache = (ic.get("status") or {}).get("cache") or {}
-        if cache.get("hitRate") is not None and cache.get("queriedTokens") == int(engines.queries):
-            return ic, engines
-        if time.monotonic() > deadline:
-            raise StackError(
-                f"status.cache did not catch up with the engines ({int(engines.queries)} prompt tokens) "
-                f"within {timeout:.0f}s: {cache}"
-            )
-        time.sleep(1)
-
-
 def up(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     state = demo_dir()
@@ -230,7 +199,7 @@ def up(args: argparse.Namespace) -> int:
             if result.failed:
                 say(f"{result.failed} request(s) failed, e.g. {result.errors[0]}")
             say("waiting for the operator's next scrape of the engines' /metrics ...")
-            ic, _ = wait_status_caught_up(stack)
+            ic, _ = stack.wait_cache_caught_up()
             total_s = time.monotonic() - t0
             peak = max(mem.peak, mem.sample())
         print()

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,8 @@ from typing import Any
 
 import yaml
 
+from kvstrata.controller.hitrate import Counters
+from kvstrata.controller.promtext import parse_engine
 from kvstrata.localcluster.session import LocalCluster
 from kvstrata.testing.engines import free_port, group_alive
 from kvstrata.testing.tinymodel import ensure_tiny_model
@@ -310,6 +313,39 @@ class Stack:
     def served_model(self) -> str:
         model = self.manifest["spec"]["model"]
         return str(model.get("servedName") or model["name"])
+
+    def engine_metrics(self) -> dict[str, str]:
+        """Each engine pod's own /metrics text, by pod name."""
+        port = int((self.manifest["spec"].get("engine") or {}).get("port", 8000))
+        out = {}
+        for pod in self.pods("engine"):
+            ip = pod.get("status", {}).get("podIP")
+            with urllib.request.urlopen(f"http://{ip}:{port}/metrics", timeout=10) as resp:
+                out[pod["metadata"]["name"]] = resp.read().decode()
+        return out
+
+    def engine_counters(self) -> Counters:
+        """The engines' own prefix-cache counters, summed (what the status must agree with)."""
+        total = Counters()
+        for text in self.engine_metrics().values():
+            total = total + parse_engine(text).counters
+        return total
+
+    def wait_cache_caught_up(self, timeout: float = 120) -> tuple[Obj, Counters]:
+        """Until status.cache counts every prompt token the engines counted, with a window hit rate."""
+        deadline = time.monotonic() + timeout
+        while True:
+            engines = self.engine_counters()
+            ic = self.ic()
+            cache = (ic.get("status") or {}).get("cache") or {}
+            if cache.get("hitRate") is not None and cache.get("queriedTokens") == int(engines.queries):
+                return ic, engines
+            if time.monotonic() > deadline:
+                raise StackError(
+                    f"status.cache did not catch up with the engines ({int(engines.queries)} prompt tokens) "
+                    f"within {timeout:.0f}s: {cache}"
+                )
+            time.sleep(1)
 
     # --- teardown ----------------------------------------------------------------------------
     def stop(self) -> None:

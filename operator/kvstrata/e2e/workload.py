@@ -108,10 +108,12 @@ async def run(
     max_tokens: int = 8,
     timeout: float = 300.0,
     show_progress: bool = True,
+    result: Result | None = None,
 ) -> Result:
     """Send every request through `base_url` (the router) with `concurrency` in flight; never raises
-    for a failed request, it is counted in the result with its error."""
-    result = Result()
+    for a failed request, it is counted in the result with its error. Pass `result` to watch progress
+    from another thread."""
+    result = result if result is not None else Result()
     queue: asyncio.Queue[Request] = asyncio.Queue()
     for r in requests:
         queue.put_nowait(r)

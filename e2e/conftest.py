@@ -1,0 +1,46 @@
+"""The whole stack once per test module: local cluster + operator + launcher + real vLLM engines + router.
+
+Three engines on 2 cores take about 150 s to start and 3 GB each, so a module shares one stack and its
+tests run in file order against it (the last test of a module may tear parts of it down).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvstrata.e2e.stack import REPO, Stack, load_manifest
+from kvstrata.localcluster.session import LocalCluster, namespace_name
+from kvstrata.testing.engines import vllm_python
+
+EXAMPLE = REPO / "examples" / "tiny-cpu.yaml"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.e2e)
+            item.add_marker(pytest.mark.vllm)
+
+
+@pytest.fixture(scope="module")
+def stack(local_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    vllm_python()  # a missing vLLM venv is an error that says how to install it, never a skip
+    ns = namespace_name("e2e")
+    st = Stack(
+        local_cluster, ns, load_manifest(EXAMPLE), tmp_path_factory.mktemp("stack"), status_interval=3.0
+    )
+    try:
+        st.install_api()
+        st.start_operator()
+        st.prepare_model()
+        st.apply_cluster()
+        st.start_launcher()
+        st.wait_ready(timeout=900)
+        yield st
+    finally:
+        st.stop()
+        local_cluster.kubectl("delete", "namespace", ns, "--wait=false", "--ignore-not-found", check=False)
