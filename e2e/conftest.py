@@ -43,4 +43,7 @@ def stack(local_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory)
         yield st
     finally:
         st.stop()
-        local_cluster.kubectl("delete", "namespace", ns, "--wait=false", "--ignore-not-found", check=False)
+        for namespace in (ns, st.release_namespace):
+            local_cluster.kubectl(
+                "delete", "namespace", namespace, "--wait=false", "--ignore-not-found", check=False
+            )

@@ -164,11 +164,18 @@ def up(args: argparse.Namespace) -> int:
 
     say("local control plane: building on first use, else reusing (kvstrata cluster up)")
     lc = acquire()
-    stack = Stack(lc, args.namespace, manifest, state, status_interval=args.status_interval)
+    stack = Stack(
+        lc,
+        args.namespace,
+        manifest,
+        state,
+        status_interval=args.status_interval,
+        release=args.release,
+        release_namespace=args.release_namespace,
+    )
     try:
         with PeakMemory(layout, state / "launcher") as mem:
-            stack.install_api()
-            stack.start_operator()
+            stack.install_operator()
             stack.prepare_model()
             stack.apply_cluster()
             say(
@@ -296,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--concurrency", type=int, default=4)
     u.add_argument("--status-interval", type=float, default=5.0, help="operator cache-status scrape period")
     u.add_argument("--ready-timeout", type=float, default=900.0)
+    u.add_argument("--release", default="kvstrata", help="Helm release of the chart")
+    u.add_argument("--release-namespace", default="kvstrata-system")
     u.add_argument("--exit", action="store_true", help="stop everything after printing the results")
     sub.add_parser("down", help="stop a running demo and everything it started")
     args = p.parse_args(argv)

@@ -1,6 +1,6 @@
 """The whole stack on the local cluster, as the demo and the e2e tests bring it up and down.
 
-Order: CRD (+ the chart when it has an operator) → operator process → the model PVC with the tiny model
+Order: the Helm chart (CRD, RBAC, webhook) → the operator process as the chart's ServiceAccount → the model PVC with the tiny model
 written into its volume → the InferenceCluster → the launcher (runs the pods' real processes) → wait
 until the cluster reports READY n/n from real engines. Every process this module starts runs in its own
 process group, is recorded in `<state>/pids.json`, and is stopped by `Stack.stop` (or `stop_recorded`
@@ -25,14 +25,22 @@ from typing import Any
 import yaml
 
 from kvstrata.controller.hitrate import Counters
+from kvstrata.controller.localrun import (
+    Install,
+    OperatorProcess,
+    install_chart,
+    operator_pod_ip,
+    service_account_kubeconfig,
+    uninstall_chart,
+    wait_webhook_serving,
+    webhook_cert_dir,
+)
 from kvstrata.controller.promtext import parse_engine
 from kvstrata.localcluster.session import LocalCluster
-from kvstrata.testing.engines import free_port, group_alive
+from kvstrata.testing.engines import group_alive
 from kvstrata.testing.tinymodel import ensure_tiny_model
 
 REPO = Path(__file__).resolve().parents[3]
-CRD_DIR = REPO / "crds"
-CHART_DIR = REPO / "charts" / "kvstrata"
 Obj = dict[str, Any]
 
 
@@ -152,6 +160,9 @@ class Stack:
         state_dir: Path,
         *,
         status_interval: float = 5.0,
+        release: str = "kvstrata",
+        release_namespace: str = "kvstrata-system",
+        webhook_failure_policy: str | None = None,
         log: Callable[[str], None] = say,
     ) -> None:
         self.lc = lc
@@ -161,13 +172,25 @@ class Stack:
         self.state_dir = state_dir
         self.status_interval = status_interval
         self.log = log
+        self.release = release
+        self.release_namespace = release_namespace
+        self.webhook_failure_policy = webhook_failure_policy
         self.procs: dict[str, Proc] = {}
-        self.operator_ports: dict[str, int] = {}
+        self.install: Install | None = None
+        self.operator: OperatorProcess | None = None
+
+    @property
+    def service_account(self) -> str:
+        """The chart's default: <fullname>-operator."""
+        fullname = self.release if "kvstrata" in self.release else f"{self.release}-kvstrata"
+        return f"{fullname[:40].rstrip('-')}-operator"
 
     # --- processes ---------------------------------------------------------------------------
     def _record(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         pids = {n: p.pid for n, p in self.procs.items() if p.pid}
+        if self.operator is not None and self.operator.pid:
+            pids["operator"] = self.operator.pid
         (self.state_dir / "pids.json").write_text(json.dumps(pids))
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
@@ -185,43 +208,44 @@ class Stack:
                 raise StackError(f"the {name} process exited; log {p.log}:\n{tail}")
 
     # --- steps -------------------------------------------------------------------------------
-    def install_api(self) -> None:
-        """The CRD, from the checked-in YAML (what the chart ships too)."""
-        crds = sorted(CRD_DIR.glob("*.yaml"))
-        if not crds:
-            raise StackError(f"no CRDs in {CRD_DIR} (run `make crds`)")
-        for crd in crds:
-            self.lc.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd))
-        self.lc.kubectl(
-            "wait", "--for=condition=Established", "--timeout=60s", "crd/inferenceclusters.kvstrata.io"
-        )
+    def install_operator(self) -> None:
+        """`helm install` the chart (CRD, RBAC, webhook, operator Deployment), then run the operator
+        process for its kwok pod the way the operator's own tests do (`controller.localrun`): with a
+        token of the chart's ServiceAccount, serving the webhook on the pod's IP."""
         self.lc.kubectl("create", "namespace", self.namespace, check=False)
-
-    def start_operator(self, kubeconfig: Path | None = None) -> None:
-        self.operator_ports = {"metrics": free_port(), "health": free_port()}
-        argv = [
-            sys.executable,
-            "-m",
-            "kvstrata.cli",
-            "operator",
-            "--kubeconfig",
-            str(kubeconfig or self.lc.kubeconfig),
-            "--namespace",
-            self.namespace,
-            "--no-webhook",
-            "--metrics-addr",
-            "127.0.0.1",
-            "--metrics-port",
-            str(self.operator_ports["metrics"]),
-            "--health-addr",
-            "127.0.0.1",
-            "--health-port",
-            str(self.operator_ports["health"]),
-            "--log-format",
-            "text",
-        ]
-        self._spawn("operator", argv, {"KVSTRATA_CACHE_STATUS_INTERVAL": str(self.status_interval)})
-        self.log(f"operator running (pid {self.procs['operator'].pid}), log {self.procs['operator'].log}")
+        values: dict[str, Any] = {"watchNamespaces": [self.namespace]}
+        if self.webhook_failure_policy:
+            values["webhook"] = {"failurePolicy": self.webhook_failure_policy}
+        self.install = install_chart(self.lc, self.release, self.release_namespace, values=values)
+        self.log(f"helm release {self.release} installed in {self.release_namespace}")
+        previous = os.environ.get("KVSTRATA_CACHE_STATUS_INTERVAL")
+        os.environ["KVSTRATA_CACHE_STATUS_INTERVAL"] = str(self.status_interval)
+        try:
+            workdir = self.state_dir / "operator"
+            workdir.mkdir(parents=True, exist_ok=True)
+            # As localrun.run_operator, with the ServiceAccount named after this release.
+            self.operator = OperatorProcess(
+                inst=self.install,
+                pod_ip=operator_pod_ip(self.install),
+                kubeconfig=service_account_kubeconfig(
+                    self.install, workdir / "kubeconfig", sa=self.service_account
+                ),
+                cert_dir=webhook_cert_dir(self.install, workdir / "webhook-tls"),
+                log_path=workdir / "operator.log",
+                extra_args=["--namespace", self.namespace],
+            )
+            self.operator.start()
+        finally:
+            if previous is None:
+                os.environ.pop("KVSTRATA_CACHE_STATUS_INTERVAL", None)
+            else:
+                os.environ["KVSTRATA_CACHE_STATUS_INTERVAL"] = previous
+        self._record()
+        wait_webhook_serving(self.lc, self.namespace)
+        self.log(
+            f"operator running as ServiceAccount {self.release_namespace}/{self.service_account} on "
+            f"{self.operator.pod_ip} (pid {self.operator.pid}), log {self.operator.log_path}"
+        )
 
     def prepare_model(self) -> Path:
         """The `models` PVC, bound by the local provisioner, with the tiny model written into its volume."""
@@ -348,11 +372,16 @@ class Stack:
             time.sleep(1)
 
     # --- teardown ----------------------------------------------------------------------------
-    def stop(self) -> None:
-        """Launcher first (it stops engines and the router), then the operator."""
-        for name in ("launcher", "operator"):
-            p = self.procs.get(name)
-            if p is not None and p.pid is not None:
-                stop_group(p.pid, grace=60 if name == "launcher" else 15)
+    def stop(self, uninstall: bool = True) -> None:
+        """Launcher first (it stops engines and the router), then the operator, then the release
+        (the CRD stays, as it would for a user: helm keeps it)."""
+        p = self.procs.get("launcher")
+        if p is not None and p.pid is not None:
+            stop_group(p.pid, grace=60)
+        if self.operator is not None:
+            self.operator.stop()
         stop_recorded(self.state_dir)
         self.procs.clear()
+        if uninstall and self.install is not None:
+            uninstall_chart(self.install)
+            self.install = None
