@@ -95,6 +95,20 @@ class RouterMetrics:
         self._affinity = 0
         self._decided = 0
         self._decision_children: dict[str, Counter] = {}
+        # labels() takes a lock and builds a tuple each call; the hot path reuses the children.
+        self._request_children: dict[tuple[str, str], Counter] = {}
+        self._latency_children: dict[str, Histogram] = {}
+
+    def request_done(self, endpoint: str, outcome: str, seconds: float | None) -> None:
+        child = self._request_children.get((endpoint, outcome))
+        if child is None:
+            child = self._request_children[(endpoint, outcome)] = self.requests.labels(endpoint, outcome)
+        child.inc()
+        if seconds is not None:
+            hist = self._latency_children.get(endpoint)
+            if hist is None:
+                hist = self._latency_children[endpoint] = self.upstream_latency.labels(endpoint)
+            hist.observe(seconds)
 
     def decided(self, reason: str) -> None:
         child = self._decision_children.get(reason)

@@ -212,9 +212,8 @@ class Proxy:
             raise
         finally:
             ep.in_flight -= 1
-            self.metrics.requests.labels(ep.url, outcome).inc()
-            if outcome in ("ok", "stream_ok"):
-                self.metrics.upstream_latency.labels(ep.url).observe(time.perf_counter() - t0)
+            done = outcome in ("ok", "stream_ok")
+            self.metrics.request_done(ep.url, outcome, time.perf_counter() - t0 if done else None)
 
     async def _stream(
         self, request: web.Request, resp: aiohttp.ClientResponse, decision: Decision, ep: Endpoint, t0: float
