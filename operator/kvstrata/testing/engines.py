@@ -147,6 +147,37 @@ def engine_args(
     return args + list(extra_args)
 
 
+def rebind_engine_args(
+    args: Sequence[str],
+    *,
+    model_dir: Path | str | None = None,
+    host: str | None = None,
+    port: int | None = None,
+    kv_events_port: int | None = None,
+    kv_replay_port: int | None = None,
+) -> list[str]:
+    """Rendered engine flags made runnable on this machine: local model path, loopback address, free
+    ports. Every other flag is kept exactly, so the run still proves what the operator rendered."""
+    out = list(args)
+    replacements = {"--model": model_dir, "--host": host, "--port": port}
+    for flag, value in replacements.items():
+        if value is None:
+            continue
+        if flag in out:
+            out[out.index(flag) + 1] = str(value)
+        else:
+            out += [flag, str(value)]
+    if "--kv-events-config" in out and (kv_events_port is not None or kv_replay_port is not None):
+        i = out.index("--kv-events-config") + 1
+        cfg = json.loads(out[i])
+        if kv_events_port is not None:
+            cfg["endpoint"] = f"tcp://*:{kv_events_port}"
+        if kv_replay_port is not None:
+            cfg["replay_endpoint"] = f"tcp://{host or '127.0.0.1'}:{kv_replay_port}"
+        out[i] = json.dumps(cfg, separators=(",", ":"))
+    return out
+
+
 def _flag_value(argv: Sequence[str], flag: str) -> str | None:
     for i, arg in enumerate(argv):
         if arg == flag and i + 1 < len(argv):
