@@ -101,12 +101,13 @@ def in_cluster_namespace() -> str | None:
     return None
 
 
-def load_api_access() -> ApiAccess:
-    """In-cluster service account when present, else the current kubeconfig context."""
+def load_api_access(kubeconfig: str | None = None) -> ApiAccess:
+    """In-cluster service account when present, else the kubeconfig's current context
+    (``kubeconfig`` or ``$KUBECONFIG`` or ``~/.kube/config``)."""
     import os
 
     host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT")
-    if host and port and (SA_DIR / "token").exists():
+    if kubeconfig is None and host and port and (SA_DIR / "token").exists():
         return ApiAccess(
             server=f"https://{_host(host, '')}:{port}",
             token=(SA_DIR / "token").read_text().strip(),
@@ -116,7 +117,7 @@ def load_api_access() -> ApiAccess:
 
     cfg = client.Configuration()
     try:
-        config.load_kube_config(client_configuration=cfg)
+        config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
     except (config.ConfigException, OSError, TypeError) as exc:
         raise DiscoveryError(
             f"EndpointSlice discovery needs in-cluster credentials or a kubeconfig: {exc}"
