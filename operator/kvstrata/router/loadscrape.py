@@ -24,8 +24,8 @@ _GAUGES = {
     "vllm:num_requests_waiting": "waiting",
     "vllm:kv_cache_usage_perc": "kv_usage",
 }
-# An endpoint is marked unhealthy after this many failed scrapes in a row (a proxy connect error marks
-# it at once); one success marks it healthy again.
+# An endpoint is marked unhealthy after this many failed scrapes in a row: refused/reset connections
+# or 5xx, never timeouts (a proxy connect error marks it at once); one success marks it healthy again.
 UNHEALTHY_AFTER = 2
 
 
@@ -63,7 +63,7 @@ class LoadScraper:
     """Scrapes every endpoint concurrently every ``interval`` seconds and updates it in place."""
 
     def __init__(
-        self, pool: EndpointPool, session: aiohttp.ClientSession, interval: float = 1.0, timeout: float = 2.0
+        self, pool: EndpointPool, session: aiohttp.ClientSession, interval: float = 1.0, timeout: float = 5.0
     ) -> None:
         self.pool = pool
         self.session = session
@@ -97,7 +97,11 @@ class LoadScraper:
             async with self.session.get(ep.url + "/metrics", timeout=self.timeout) as resp:
                 text = await resp.text() if resp.status == 200 else ""
                 reachable = resp.status < 500
-        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError) as exc:
+        except TimeoutError:
+            # Slow is not dead: an engine busy with prefill answers late. Keep its stale load.
+            log.debug("scrape %s timed out", ep.url)
+            return
+        except (aiohttp.ClientError, UnicodeDecodeError) as exc:
             log.debug("scrape %s failed: %s", ep.url, exc)
             reachable, text = False, ""
         if not reachable:
