@@ -244,7 +244,8 @@ async def test_router_hashes_equal_the_engines_block_stored(stack: Stack, kind: 
         assert headers["x-kvstrata-endpoint"] == chosen
         assert headers["x-kvstrata-reason"] == "prefix"
         predicted = int(headers["x-kvstrata-predicted-cached-tokens"])
-        assert predicted == len(want) * BLOCK
+        # vLLM recomputes a prompt's last token, so an exactly block-aligned prompt hits one block less.
+        assert predicted == min(len(want) * BLOCK, (len(tokens) - 1) // BLOCK * BLOCK)
         assert resp["usage"]["prompt_tokens_details"]["cached_tokens"] == predicted
     finally:
         tap.close()

@@ -64,7 +64,13 @@ class Decision:
         if self.approximate:
             return 0
         m = self.matches.get(ep.url)
-        return m.blocks * block_size if m else 0
+        if not m:
+            return 0
+        cached = m.blocks * block_size
+        if self.prompt_tokens is not None:
+            # vLLM always computes the prompt's last token, so a fully cached prompt hits one block less.
+            cached = min(cached, (self.prompt_tokens - 1) // block_size * block_size)
+        return max(cached, 0)
 
 
 class Router:

@@ -132,7 +132,10 @@ async def test_kv_aware_reasons_and_predictions() -> None:
     r.commit(d, d.order[0])
     d2 = await r.decide(_req(tokens))
     assert d2.reason == "prefix" and d2.order[0] is d.order[0]
-    assert d2.predicted_cached_tokens(d2.order[0], 4) == 12
+    # 12 tokens = 3 full blocks all cached, but the engine recomputes the last token: 2 blocks hit.
+    assert d2.predicted_cached_tokens(d2.order[0], 4) == 8
+    d2b = await r.decide(_req([*tokens, 50]))
+    assert d2b.predicted_cached_tokens(d2b.order[0], 4) == 12
     # The holder is now overloaded: bounded load moves the request, and says so.
     d.order[0].in_flight = 10
     d3 = await r.decide(_req(tokens))
