@@ -6,6 +6,7 @@ tests run in file order against it (the last test of a module may tear parts of 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +16,8 @@ from kvstrata.e2e.stack import REPO, Stack, load_manifest
 from kvstrata.localcluster.session import LocalCluster, namespace_name
 from kvstrata.testing.engines import vllm_python
 
-EXAMPLE = REPO / "examples" / "tiny-cpu.yaml"
+# KVSTRATA_E2E_EXAMPLE: run the same tests on another CPU manifest (three replicas, a pvc:// tiny model).
+EXAMPLE = Path(os.environ.get("KVSTRATA_E2E_EXAMPLE") or REPO / "examples" / "tiny-cpu.yaml")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -152,21 +152,23 @@ def test_tier_budget_edit_reaches_plan_flags_engines_and_status(stack: Stack) ->
     old = stack.ic()
     old_digest = old["status"]["plan"]["flagsDigest"]
     edited = copy.deepcopy(stack.manifest)
-    edited["spec"]["kvCache"]["tiers"]["gpu"]["numBlocks"] = 48
+    gpu_tier = edited["spec"]["kvCache"]["tiers"]["gpu"]
+    blocks = int(gpu_tier["numBlocks"]) + 32
+    gpu_tier["numBlocks"] = blocks
     stack.apply_cluster(edited)
 
     def planned() -> dict | None:
         ic = stack.ic()
         st = ic.get("status") or {}
         gpu = next((t for t in (st.get("plan") or {}).get("tiers", []) if t["name"] == "gpu"), None)
-        ok = st.get("observedGeneration") == ic["metadata"]["generation"] and gpu and gpu["blocks"] == 48
+        ok = st.get("observedGeneration") == ic["metadata"]["generation"] and gpu and gpu["blocks"] == blocks
         return ic if ok else None
 
     ic = _wait("the new plan in status", planned, timeout=60)
     assert ic["status"]["plan"]["flagsDigest"] != old_digest
     sts = stack.lc.kubectl_json("get", "statefulset", f"{stack.name}-engine", "-n", stack.namespace)
     args = sts["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert args[args.index("--num-gpu-blocks-override") + 1] == "48"
+    assert args[args.index("--num-gpu-blocks-override") + 1] == str(blocks)
 
     # The StatefulSet rolls the pods one by one; the launcher runs each new pod's new flags.
     stack.wait_ready(timeout=1200)
@@ -174,12 +176,13 @@ def test_tier_budget_edit_reaches_plan_flags_engines_and_status(stack: Stack) ->
     def engines_rolled() -> bool:
         procs = [e for e in stack.launcher_procs().values() if e["component"] == "engine"]
         return len(procs) == int(edited["spec"]["replicas"]) and all(
-            e["argv"][e["argv"].index("--num-gpu-blocks-override") + 1] == "48" and e["ready"] for e in procs
+            e["argv"][e["argv"].index("--num-gpu-blocks-override") + 1] == str(blocks) and e["ready"]
+            for e in procs
         )
 
     _wait("every engine process on the new flags", engines_rolled, timeout=600, interval=2)
     for pod, text in stack.engine_metrics().items():
-        assert re.search(r'vllm:cache_config_info\{[^}]*num_gpu_blocks="48"', text), pod
+        assert re.search(rf'vllm:cache_config_info\{{[^}}]*num_gpu_blocks="{blocks}"', text), pod
     # Status keeps working on the new engines.
     result = _drive(stack, _requests(stack, seed=3, groups=2, per_group=4))
     assert result.failed == 0, result.errors[:3]
