@@ -62,7 +62,7 @@ def _wait(what: str, check: Callable[[], bool], timeout: float, layout: Layout, 
         try:
             if check():
                 return
-        except (OSError, urllib.error.URLError, subprocess.SubprocessError, ValueError):
+        except (OSError, urllib.error.URLError, subprocess.SubprocessError, ValueError, ClusterError):
             pass
         time.sleep(0.2)
     raise ClusterError(f"timed out after {timeout:.0f}s waiting for {what}; see {layout.log(name)}")

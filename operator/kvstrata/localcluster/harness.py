@@ -8,7 +8,7 @@ real cluster's add-ons do and this one lacks:
 2. EndpointSlices for pods on loopback IPs: the API server rejects 127.0.0.0/8 addresses in
    IPv4/IPv6 EndpointSlices (and Endpoints), so the built-in controller can publish none for our
    kwok pods. This loop writes one `addressType: FQDN` slice per selector Service whose addresses
-   are the ready pods' IPs, managed-by `kvstrata.io/localcluster`. The API server's webhook and
+   are the ready pods' IPs, managed-by `localcluster.kvstrata.io`. The API server's webhook and
    aggregator resolver (`--enable-aggregator-routing`) take `addresses[0]` of any slice type, so
    Service-referenced webhooks reach a process bound to the pod's 127.x IP.
 
@@ -265,8 +265,12 @@ class Harness:
             for step in (self.provision, self.mirror_endpoints):
                 try:
                     step()
-                except Exception as e:  # keep serving: the apiserver may restart or be slow
-                    log.warning("%s failed: %s", step.__name__, e)
+                except self.exc as e:  # keep serving: the apiserver may restart or be slow
+                    log.warning(
+                        "%s failed: %s %s: %s", step.__name__, e.status, e.reason, (e.body or "")[:300]
+                    )
+                except Exception as e:
+                    log.warning("%s failed: %r", step.__name__, e)
             time.sleep(max(0.0, interval - (time.monotonic() - started)))
 
 

@@ -15,20 +15,19 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvstrata cluster", description="the local Kubernetes control plane (kwok nodes)"
     )
-    p.add_argument(
-        "--state-dir",
-        type=Path,
-        default=None,
-        help="where kubeconfig, certs, logs and PIDs live (default $KVSTRATA_CLUSTER_DIR or $KVSTRATA_CACHE/cluster)",
-    )
+    state_help = "where kubeconfig, certs, logs and PIDs live (default $KVSTRATA_CLUSTER_DIR or $KVSTRATA_CACHE/cluster)"
+    p.add_argument("--state-dir", type=Path, default=None, help=state_help)
+    # also accepted after the subcommand (`kvstrata cluster up --state-dir DIR`)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--state-dir", type=Path, default=argparse.SUPPRESS, help=state_help)
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("build", help="build the binaries (cached; `up` does this when needed)")
-    up = sub.add_parser("up", help="start the cluster (no-op when it already runs)")
+    sub.add_parser("build", parents=[common], help="build the binaries (cached; `up` does this when needed)")
+    up = sub.add_parser("up", parents=[common], help="start the cluster (no-op when it already runs)")
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for each readiness step")
-    down = sub.add_parser("down", help="stop the cluster and remove its state")
+    down = sub.add_parser("down", parents=[common], help="stop the cluster and remove its state")
     down.add_argument("--purge", action="store_true", help="also remove the logs")
-    sub.add_parser("env", help="print `export KUBECONFIG=... PATH=...` lines (eval them)")
-    st = sub.add_parser("status", help="tell what runs")
+    sub.add_parser("env", parents=[common], help="print `export KUBECONFIG=... PATH=...` lines (eval them)")
+    st = sub.add_parser("status", parents=[common], help="tell what runs")
     st.add_argument("--json", action="store_true")
     return p
 

@@ -7,7 +7,8 @@ from typing import Any
 
 STORAGE_CLASS = "kvstrata-local"
 PROVISIONER = "kvstrata.io/local-static"
-MANAGED_BY = "kvstrata.io/localcluster"
+# label values may not contain "/": same shape as the built-in "endpointslice-controller.k8s.io"
+MANAGED_BY = "localcluster.kvstrata.io"
 
 
 @dataclass(frozen=True)
