@@ -17,6 +17,8 @@ from kvstrata.localcluster import cluster, components, procs
 from kvstrata.localcluster.layout import Layout, State
 
 N = 20
+# Two reconcile threads: the burst of 20 takes long enough that the kill lands in the middle of it.
+OPERATOR_ARGS = ["--workers=2"]
 # kinds (kubectl names) and how many objects of each one InferenceCluster owns
 CHILDREN = {
     "statefulsets": 1,

@@ -84,11 +84,11 @@ def kopf_settings(config: OperatorConfig) -> kopf.OperatorSettings:
 def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
     ic: dict[str, Any] = {"group": GROUP, "version": VERSION, "plural": PLURAL, "registry": registry}
 
-    @kopf.on.startup(registry=registry)
+    @kopf.on.startup(registry=registry, id="status-loop-start")
     async def start_status_loop(**_: Any) -> None:
         rt.tasks.append(asyncio.create_task(rt.sync.run(), name="kvstrata-status"))
 
-    @kopf.on.cleanup(registry=registry)
+    @kopf.on.cleanup(registry=registry, id="status-loop-stop")
     async def stop_status_loop(**_: Any) -> None:
         for task in rt.tasks:
             task.cancel()
@@ -108,7 +108,7 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
         else:
             logger.info(f"applied: {outcome.record.message}")
 
-    @kopf.on.event(**ic)
+    @kopf.on.event(**ic, id="cluster-status")
     async def cluster_event(event: dict[str, Any], **_: Any) -> None:
         obj = event.get("object") or {}
         if not obj.get("metadata", {}).get("name"):
