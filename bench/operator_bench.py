@@ -115,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
             one = create_and_time(kube, ns, ["one"], args.timeout)
             burst = create_and_time(kube, ns, [f"b{i:03d}" for i in range(args.burst)], args.timeout)
             rest = max(0, args.total - args.burst - 1)
-            fill = create_and_time(kube, ns, [f"f{i:03d}" for i in range(rest)], args.timeout) if rest else None
+            fill = (
+                create_and_time(kube, ns, [f"f{i:03d}" for i in range(rest)], args.timeout) if rest else None
+            )
             time.sleep(5)  # status loop settles
             rss = rss_kib(op.pid or 0)
             alive = len(kube.request("GET", f"/apis/{API}/namespaces/{ns}/inferenceclusters")["items"])

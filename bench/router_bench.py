@@ -23,8 +23,8 @@ from bench import engine_metrics as em
 from bench.client import Result, run_conversations
 from bench.procs import BenchError, ProcGroup, sigterm_as_interrupt, wait_until
 from bench.report import fmt, machine, mean, percentile, table, write_json
-from bench.routers import RouterConfig, Worker, kvstrata_router_available, start_router
-from bench.workload import WorkloadSpec, build, distinct_blocks, schedule
+from bench.routers import RouterConfig, Worker, kvstrata_router_available, scrape_router_metrics, start_router
+from bench.workload import WorkloadSpec, build, distinct_blocks, ideal_hit_rate, schedule
 
 DEFAULT_ROUTERS = (
     "vllm-router/round_robin",
@@ -186,6 +186,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     except ValueError as exc:
         raise BenchError(str(exc)) from None
     token_lists = [tok.encode(p).ids for c in convs for p in c.prompts]
+    # Turn-major order approximates how the conversations interleave under bounded concurrency.
+    in_order = [tok.encode(c.prompts[t]).ids for t in range(spec.turns) for c in convs]
     working_set = distinct_blocks(token_lists, args.block_size)
     longest = max(len(t) for t in token_lists)
     blocks, max_len = _engine_blocks(working_set, longest, args)
@@ -197,6 +199,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "longest_prompt_tokens": longest,
         "working_set_blocks": working_set,
         "block_size": args.block_size,
+        "ideal_hit_rate": round(ideal_hit_rate(in_order, args.block_size), 4),
     }
     print(
         f"workload: {len(convs)} conversations x {spec.turns} turns over {spec.groups} shared documents "
@@ -213,6 +216,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     results: list[dict[str, Any]] = []
+    machine_info = machine()
     t0 = time.monotonic()
     engines = start_engines(
         ENGINES,
@@ -237,7 +241,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         stop_all(engines)
     return {
         "benchmark": "router",
-        "machine": machine(),
+        "machine": {**machine_info, "loadavg_at_end": [round(x, 2) for x in os.getloadavg()]},
         "engines": {
             "count": ENGINES,
             "blocks_each": blocks,
@@ -277,6 +281,8 @@ def _run_router(
             print(f"  {name} exited during the run; log tail:\n{running.proc.log_tail()}", flush=True)
         row = _summarize(name, res, em.deltas([e.base_url for e in engines], before, after), wall)
         row["ready_s"] = running.ready_seconds
+        metrics_file = args.workdir / "logs" / f"{name.replace('/', '_')}.metrics.txt"
+        row["router_metrics"] = scrape_router_metrics(running, metrics_file)
         print(
             f"  hit rate {fmt(_pct(row['hit_rate']))}%  TTFT p50 {fmt(row['ttft_ms']['p50'], 0)} ms  "
             f"errors {row['errors']}  split {row['per_engine_requests']}  wall {wall:.0f} s",
@@ -333,7 +339,9 @@ def render(payload: dict[str, Any]) -> str:
         f"router benchmark: {w['requests']} requests ({w['conversations']} conversations x {w['turns']} turns, "
         f"{w['groups']} shared documents), concurrency {w['concurrency']}, {e['count']} vLLM CPU engines x "
         f"{e['blocks_each']} KV blocks (working set {w['working_set_blocks']} blocks), "
-        f"{payload['machine']['cpus']} CPUs; TTFT in ms",
+        f"{payload['machine']['cpus']} CPUs (load avg {payload['machine']['loadavg_1m_5m_15m'][0]} at start, "
+        f"{payload['machine']['loadavg_at_end'][0]} at end); ceiling hit rate {100 * w['ideal_hit_rate']:.1f}%; "
+        "TTFT in ms",
         table(headers, rows),
     ]
     for r in payload["results"]:

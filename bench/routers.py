@@ -8,12 +8,13 @@ request through it succeeds (sglang-router answers 503 until it has found its wo
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.procs import BenchError, Proc, ProcGroup, free_port, http_post, wait_until
+from bench.procs import BenchError, Proc, ProcGroup, free_port, http_get, http_post, wait_until
 
 VENV_BIN = Path(sys.executable).parent
 
@@ -42,6 +43,7 @@ class RouterConfig:
 class RunningRouter:
     name: str
     url: str
+    metrics_url: str
     proc: Proc
     ready_seconds: float
 
@@ -54,7 +56,9 @@ def split_name(name: str) -> tuple[str, str]:
     return impl, policy
 
 
-def router_argv(name: str, port: int, workers: list[Worker], cfg: RouterConfig) -> list[str]:
+def router_argv(
+    name: str, port: int, workers: list[Worker], cfg: RouterConfig, metrics_port: int
+) -> list[str]:
     impl, policy = split_name(name)
     urls = [w.url for w in workers]
     if impl == "vllm-router":
@@ -69,7 +73,7 @@ def router_argv(name: str, port: int, workers: list[Worker], cfg: RouterConfig) 
             "--worker-urls",
             *urls,
             "--prometheus-port",
-            str(free_port()),
+            str(metrics_port),
             "--log-level",
             "warning",
         ]
@@ -97,7 +101,7 @@ def router_argv(name: str, port: int, workers: list[Worker], cfg: RouterConfig) 
             "--worker-urls",
             *urls,
             "--prometheus-port",
-            str(free_port()),
+            str(metrics_port),
             "--prometheus-host",
             "127.0.0.1",
             "--log-level",
@@ -150,9 +154,9 @@ def start_router(
     probe_prompt: str = "ping",
     timeout: float = 90.0,
 ) -> RunningRouter:
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     proc = procs.start(
-        name.replace("/", "_"), router_argv(name, port, workers, cfg), env={"RUST_LOG": "warn"}
+        name.replace("/", "_"), router_argv(name, port, workers, cfg, metrics_port), env={"RUST_LOG": "warn"}
     )
     url = f"http://127.0.0.1:{port}"
     body = json.dumps({"model": cfg.model, "prompt": probe_prompt, "max_tokens": 1}).encode()
@@ -161,4 +165,29 @@ def start_router(
         return http_post(url + "/v1/completions", body, timeout=10)[0] == 200
 
     waited = wait_until(f"{name} to route a request", ready, timeout, [proc], interval=0.5)
-    return RunningRouter(name, url, proc, round(waited, 2))
+    # The peers serve Prometheus metrics on a port of their own; kvstrata on its main port.
+    metrics_url = (
+        f"{url}/metrics" if name.startswith("kvstrata/") else f"http://127.0.0.1:{metrics_port}/metrics"
+    )
+    return RunningRouter(name, url, metrics_url, proc, round(waited, 2))
+
+
+_INTERESTING = re.compile(r"kv|event|cache|hit|decision|route|fallback|predict|block|index", re.IGNORECASE)
+
+
+def scrape_router_metrics(router: RunningRouter, save_to: Path, limit: int = 60) -> list[str]:
+    """Save the router's own /metrics text and return its non-zero samples about caches, events and
+    routing decisions: evidence of whether a cache-aware policy actually saw the engines' KV events."""
+    status, body = http_get(router.metrics_url, timeout=5)
+    if status != 200:
+        return [f"(metrics: HTTP {status})"]
+    text = body.decode(errors="replace")
+    save_to.write_text(text)
+    picked = []
+    for line in text.splitlines():
+        if line.startswith("#") or not _INTERESTING.search(line.split("{", 1)[0].split(" ", 1)[0]):
+            continue
+        value = line.rsplit(" ", 1)[-1]
+        if value not in ("0", "0.0") and "_bucket" not in line:
+            picked.append(line)
+    return picked[:limit]

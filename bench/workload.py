@@ -108,3 +108,23 @@ def distinct_blocks(token_lists: Sequence[Sequence[int]], block_size: int) -> in
             key = (key, tuple(ids[end - block_size : end]))  # chained like vLLM's block hashes
             seen.add(key)
     return len(seen)
+
+
+def ideal_hit_rate(token_lists: Sequence[Sequence[int]], block_size: int) -> float:
+    """Hit rate with one unbounded prefix cache, prompts served one by one in the given order: the
+    ceiling for any router. Like vLLM, the last prompt token is always computed, so only full blocks
+    within the first len-1 tokens can hit."""
+    seen: set[object] = set()
+    hits = total = 0
+    for ids in token_lists:
+        key: object = None
+        matching = True
+        for end in range(block_size, len(ids), block_size):
+            key = (key, tuple(ids[end - block_size : end]))
+            if matching and key in seen:
+                hits += block_size
+            else:
+                matching = False
+            seen.add(key)
+        total += len(ids)
+    return hits / total if total else 0.0
