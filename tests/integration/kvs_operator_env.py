@@ -102,12 +102,14 @@ def tracebacks(log: str) -> list[str]:
 
 @pytest.fixture(scope="module", name="operator_env")
 def operator_env_fixture(
-    local_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory
+    local_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> Iterator[OperatorEnv]:
+    """A module may set OPERATOR_ARGS = [...] for extra `kvstrata operator` flags."""
     inst = install_chart(local_cluster)
     op: OperatorProcess | None = None
     try:
-        op = run_operator(inst, tmp_path_factory.mktemp("operator"))
+        extra = list(getattr(request.module, "OPERATOR_ARGS", []))
+        op = run_operator(inst, tmp_path_factory.mktemp("operator"), extra_args=extra)
         with fresh_namespace(local_cluster, "kvs-op") as ns:
             wait_webhook_serving(local_cluster, ns)
             env = OperatorEnv(local_cluster, inst, op, ns)
