@@ -388,7 +388,7 @@ class VllmEngine:
 
     def stop(self, grace: float = _STOP_GRACE_S) -> None:
         """SIGTERM the process group, then SIGKILL whatever is left after ``grace`` seconds."""
-        if self._proc is None:
+        if self._proc is None or self._gone():
             return
         pgid = self._proc.pid
         _signal_group(pgid, signal.SIGTERM)
@@ -399,7 +399,7 @@ class VllmEngine:
 
     def kill(self) -> None:
         """SIGKILL the whole process group at once, as a crash would."""
-        if self._proc is None:
+        if self._proc is None or self._gone():
             return
         pgid = self._proc.pid
         _signal_group(pgid, signal.SIGKILL)
@@ -408,6 +408,11 @@ class VllmEngine:
         deadline = time.monotonic() + 10
         while group_alive(pgid) and time.monotonic() < deadline:
             time.sleep(0.1)
+
+    def _gone(self) -> bool:
+        # Once the leader is reaped and the group is empty, its id may be reused: never signal it again.
+        assert self._proc is not None
+        return self._proc.poll() is not None and not group_alive(self._proc.pid)
 
     def __enter__(self) -> VllmEngine:
         if self._proc is None:
@@ -550,6 +555,12 @@ def start_engines(
                 **kwargs,
             )
         )
+    return start_all(engines, timeout=timeout)
+
+
+def start_all(engines: Sequence[VllmEngine], *, timeout: float = 600.0) -> list[VllmEngine]:
+    """Start engines at once (on 2 cores three boot in ~150 s instead of ~3 x 70 s) and wait for all;
+    on any failure stop every one of them before raising."""
     try:
         for engine in engines:
             engine.start()
@@ -559,7 +570,7 @@ def start_engines(
     except BaseException:
         stop_all(engines)
         raise
-    return engines
+    return list(engines)
 
 
 def stop_all(engines: Sequence[VllmEngine]) -> None:

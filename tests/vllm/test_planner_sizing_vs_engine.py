@@ -1,0 +1,131 @@
+"""Real vLLM CPU engines, started with the planner's own flags and env, size their KV pool as planned.
+
+Each engine runs the command line the planner rendered for a CPU InferenceCluster (only the model path,
+address and ports are rebound to this machine), and its own sizing log line
+``CPU KV cache size: N tokens, Maximum concurrency for M tokens per request: C x`` is compared with the
+plan. Note what vLLM logs: N is ``int(C * M)`` (v1/core/kv_cache_utils.py, get_kv_cache_capacity), which
+is the pool's token count only when M is a multiple of the block size; the pool itself always holds
+whole blocks, which the plan's tier tokens count.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvstrata.api import InferenceCluster
+from kvstrata.planner import Plan, plan
+from kvstrata.planner.arch import architecture_from_hf_config
+from kvstrata.planner.kv import kv_bytes_per_token, tokens_in
+from kvstrata.testing.engines import VllmEngine, free_port, rebind_engine_args, start_all, stop_all
+
+REPO = Path(__file__).resolve().parents[2]
+SIZING_LINE = re.compile(
+    r"CPU KV cache size: ([\d,]+) tokens, Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x"
+)
+BLOCK = 32
+
+
+def tiny_manifest(*, max_model_len: int, gpu_tier: dict[str, Any]) -> dict[str, Any]:
+    """examples/tiny-cpu.yaml with the pool and the longest sequence under test."""
+    doc = yaml.safe_load((REPO / "examples" / "tiny-cpu.yaml").read_text())
+    doc["spec"]["engine"]["maxModelLen"] = max_model_len
+    doc["spec"]["kvCache"]["blockSize"] = BLOCK
+    doc["spec"]["kvCache"]["tiers"] = {"gpu": gpu_tier}
+    return doc
+
+
+# name → (maxModelLen, spec.kvCache.tiers.gpu)
+CASES: dict[str, tuple[int, dict[str, Any]]] = {
+    "1GiB": (4096, {"size": "1Gi"}),
+    "320-blocks": (4096, {"size": "1Gi", "numBlocks": 320}),
+    # maxModelLen not a multiple of the block size: the logged "tokens" is no longer the pool size.
+    "320-blocks-len-3000": (3000, {"size": "1Gi", "numBlocks": 320}),
+}
+
+
+def sizing(log: str) -> tuple[int, int, float]:
+    match = SIZING_LINE.search(log)
+    assert match, "no 'CPU KV cache size' line in the engine log"
+    tokens, max_len, concurrency = match.groups()
+    return int(tokens.replace(",", "")), int(max_len.replace(",", "")), float(concurrency)
+
+
+@pytest.fixture(scope="module")
+def planned_engines(
+    tiny_model: Path, vllm_py: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, tuple[Plan, VllmEngine]]]:
+    log_dir = tmp_path_factory.mktemp("sizing")
+    out: dict[str, tuple[Plan, VllmEngine]] = {}
+    for name, (max_len, gpu_tier) in CASES.items():
+        ic = InferenceCluster.model_validate(tiny_manifest(max_model_len=max_len, gpu_tier=gpu_tier))
+        p = plan(ic.spec)
+        assert p.feasible, p.summary()
+        args = rebind_engine_args(
+            p.engine_args,
+            model_dir=tiny_model,
+            host="127.0.0.1",
+            port=free_port(),
+            kv_events_port=free_port(),
+            kv_replay_port=free_port(),
+        )
+        engine = VllmEngine.from_argv(args, dict(p.engine_env), log_path=log_dir / f"{name}.log")
+        out[name] = (p, engine)
+    engines = [e for _, e in out.values()]
+    start_all(engines, timeout=900)
+    try:
+        yield out
+    finally:
+        stop_all(engines)
+
+
+def test_tiny_example_matches_the_tiny_model(tiny_model: Path) -> None:
+    """The manifest's architecture overrides describe the model directory the engines serve."""
+    ic = InferenceCluster.model_validate(tiny_manifest(max_model_len=4096, gpu_tier={"size": "1Gi"}))
+    from_config = architecture_from_hf_config(json.loads((tiny_model / "config.json").read_text()))
+    declared = ic.spec.model.architecture
+    assert declared is not None
+    for field in ("attention", "num_layers", "num_kv_heads", "head_dim"):
+        assert getattr(declared, field) == getattr(from_config, field), field
+
+
+def test_one_gib_pool(planned_engines: dict[str, tuple[Plan, VllmEngine]], tiny_model: Path) -> None:
+    p, engine = planned_engines["1GiB"]
+    assert engine.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    tokens, max_len, concurrency = sizing(engine.log_text())
+    arch = architecture_from_hf_config(json.loads((tiny_model / "config.json").read_text()))
+    expected = tokens_in(1 << 30, kv_bytes_per_token(arch), BLOCK)
+    assert tokens == expected == p.tier("gpu").tokens
+    assert max_len == 4096
+    assert concurrency == round(p.max_concurrency, 2) == round(expected / 4096, 2)
+
+
+def test_block_override(planned_engines: dict[str, tuple[Plan, VllmEngine]]) -> None:
+    p, engine = planned_engines["320-blocks"]
+    assert "--num-gpu-blocks-override" in engine.argv
+    tokens, max_len, concurrency = sizing(engine.log_text())
+    assert max_len == 4096
+    assert tokens == 320 * BLOCK == p.tier("gpu").tokens
+    assert concurrency == round(p.max_concurrency, 2) == 2.5
+
+
+def test_block_override_with_ragged_max_len(planned_engines: dict[str, tuple[Plan, VllmEngine]]) -> None:
+    p, engine = planned_engines["320-blocks-len-3000"]
+    tokens, max_len, concurrency = sizing(engine.log_text())
+    assert max_len == 3000
+    # A 3000-token sequence takes 94 whole blocks, so 320 blocks hold 320/94 of them.
+    assert concurrency == round(p.max_concurrency, 2) == round(320 / 94, 2)
+    assert p.tier("gpu").tokens == 320 * BLOCK
+    assert tokens == int(p.max_concurrency * 3000) < 320 * BLOCK
+
+
+def test_engines_serve_with_rendered_flags(planned_engines: dict[str, tuple[Plan, VllmEngine]]) -> None:
+    for _, engine in planned_engines.values():
+        out = engine.complete("the quick brown fox jumps over the lazy dog", max_tokens=3)
+        assert out["usage"]["completion_tokens"] == 3
