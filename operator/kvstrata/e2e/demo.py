@@ -28,6 +28,7 @@ from kvstrata.e2e import workload
 from kvstrata.e2e.stack import REPO, Stack, StackError, load_manifest, say, stop_recorded
 from kvstrata.localcluster import cluster, versions
 from kvstrata.localcluster.layout import Layout
+from kvstrata.localcluster.session import CommandError
 from kvstrata.testing.engines import group_pids
 from kvstrata.testing.tinymodel import kvstrata_cache
 
@@ -243,7 +244,7 @@ def up(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         say("interrupted")
         return 130
-    except StackError as e:
+    except (StackError, CommandError, TimeoutError, RuntimeError) as e:
         say(f"failed: {e}")
         return 1
     finally:
