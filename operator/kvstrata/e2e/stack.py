@@ -216,7 +216,12 @@ class Stack:
         values: dict[str, Any] = {"watchNamespaces": [self.namespace]}
         if self.webhook_failure_policy:
             values["webhook"] = {"failurePolicy": self.webhook_failure_policy}
-        self.install = install_chart(self.lc, self.release, self.release_namespace, values=values)
+        try:
+            self.install = install_chart(self.lc, self.release, self.release_namespace, values=values)
+        except Exception:
+            # A failed install still leaves a release record (and maybe objects) behind.
+            self.lc.helm("uninstall", self.release, "--namespace", self.release_namespace, check=False)
+            raise
         self.log(f"helm release {self.release} installed in {self.release_namespace}")
         previous = os.environ.get("KVSTRATA_CACHE_STATUS_INTERVAL")
         os.environ["KVSTRATA_CACHE_STATUS_INTERVAL"] = str(self.status_interval)
