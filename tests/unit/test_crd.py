@@ -39,7 +39,8 @@ def test_quantities_are_int_or_string_with_a_pattern() -> None:
     spec = crd_mod.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     cpu_size = spec["properties"]["kvCache"]["properties"]["tiers"]["properties"]["cpu"]["properties"]["size"]
     assert cpu_size["x-kubernetes-int-or-string"] is True
-    assert any("pattern" in b for b in cpu_size["anyOf"])
+    assert "pattern" in cpu_size  # beside anyOf: structural schemas allow no value checks inside it
+    assert cpu_size["anyOf"] == [{"type": "integer"}, {"type": "string"}]
 
 
 def test_printer_columns_and_subresources() -> None:
@@ -59,8 +60,13 @@ def test_cross_field_rules_are_cel_with_field_paths() -> None:
     assert all(r.get("fieldPath", "").startswith(".") for r in rules)
 
 
-def test_optional_objects_default_to_empty_so_cel_can_read_them() -> None:
+def test_optional_objects_default_to_their_defaults_so_cel_can_read_them() -> None:
+    # The apiserver checks an object default against its CEL rules without defaulting inside it first,
+    # so `engine: {}` would fail `self.device != 'cpu'`: defaults carry their children's defaults.
     spec = crd_mod.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
-    assert spec["properties"]["kvCache"]["default"] == {}
-    assert spec["properties"]["kvCache"]["properties"]["tiers"]["default"] == {}
-    assert spec["properties"]["engine"]["default"] == {}
+    assert spec["properties"]["engine"]["default"]["device"] == "gpu"
+    assert spec["properties"]["engine"]["default"]["tensorParallelSize"] == 1
+    assert spec["properties"]["kvCache"]["default"]["tiers"]["gpu"]["memoryUtilization"] == 0.9
+    assert spec["properties"]["kvCache"]["properties"]["tiers"]["default"] == {
+        "gpu": {"memoryUtilization": 0.9}
+    }

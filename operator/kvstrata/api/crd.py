@@ -55,6 +55,10 @@ def _resolve(node: Any, defs: dict[str, Any]) -> Any:
     return _structural(out)
 
 
+def _children_defaults(node: dict[str, Any]) -> dict[str, Any]:
+    return {k: copy.deepcopy(v["default"]) for k, v in node.get("properties", {}).items() if "default" in v}
+
+
 def _structural(node: dict[str, Any]) -> dict[str, Any]:
     any_of = node.get("anyOf")
     if any_of and any(branch.get("type") == "null" for branch in any_of):
@@ -77,10 +81,11 @@ def _structural(node: dict[str, Any]) -> dict[str, Any]:
     if node.get("type") == "object" and "properties" in node:
         required = set(node.get("required", []))
         for name, prop in node["properties"].items():
-            # Optional sub-objects default to {} so the apiserver fills their own defaults and CEL rules
-            # can read e.g. self.kvCache.tiers without has() on every level.
+            # Optional sub-objects default to their children's defaults so the apiserver fills them and CEL
+            # rules can read e.g. self.kvCache.tiers without has() on every level. Not a bare {}: the
+            # apiserver checks a default against the object's CEL rules without defaulting inside it first.
             if name not in required and prop.get("type") == "object" and not prop.get("nullable"):
-                prop.setdefault("default", {})
+                prop.setdefault("default", _children_defaults(prop))
     if node.get("x-kubernetes-int-or-string"):
         node.pop("type", None)
     if "const" in node:

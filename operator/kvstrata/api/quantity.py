@@ -42,8 +42,12 @@ Quantity = Annotated[
     PlainSerializer(lambda v: v, return_type=str),
     WithJsonSchema(
         {
+            # Structural schemas allow exactly `anyOf: [{type: integer}, {type: string}]` under
+            # int-or-string: value checks go beside the anyOf (pattern applies to strings, minimum to ints).
             "x-kubernetes-int-or-string": True,
-            "anyOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": QUANTITY_PATTERN}],
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "pattern": QUANTITY_PATTERN,
+            "minimum": 0,
         }
     ),
 ]
