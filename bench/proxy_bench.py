@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Any
 
 from bench import nginx_backend
 from bench.procs import BenchError, ProcGroup, http_post, sigterm_as_interrupt
+from bench.profile import record
 from bench.report import fmt, group_cpu_seconds, machine, table, write_json
 from bench.routers import RouterConfig, Worker, kvstrata_router_available, start_router
 from bench.wrk import run_wrk, write_script
@@ -58,6 +60,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="wrk threads (2 cores are shared by everything)")
     p.add_argument("--workers", type=int, default=3, help="backend listen ports the routers balance over")
     p.add_argument("--modes", default="json,sse", help="json (non-streaming), sse (streaming), or both")
+    p.add_argument(
+        "--profile",
+        type=float,
+        default=float(os.environ.get("BENCH_PROFILE", "8")),
+        help="seconds of py-spy sampling of each kvstrata router under load (0 = off)",
+    )
     p.add_argument("--out", type=Path, default=Path(".bench/proxy.json"))
     p.add_argument("--workdir", type=Path, default=Path(".bench/proxy"))
     return p.parse_args(argv)
@@ -88,8 +96,48 @@ def _measure(url: str, script: Path, args: argparse.Namespace, pgid: int | None)
     res = run_wrk(url + "/v1/completions", script, args.connections, args.duration, args.threads)
     row: dict[str, Any] = res.as_dict()
     if pgid:
-        row["router_cpu_cores"] = round((group_cpu_seconds(pgid) - cpu0) / (time.monotonic() - t0), 2)
+        cpu = group_cpu_seconds(pgid) - cpu0
+        row["router_cpu_cores"] = round(cpu / (time.monotonic() - t0), 2)
+        # CPU per request barely depends on how busy the rest of the machine is, unlike req/s.
+        ok = res.requests - res.non_2xx
+        row["router_cpu_us_per_req"] = round(cpu / ok * 1e6, 1) if ok else None
     return row
+
+
+def _profile(
+    url: str, pid: int, script: Path, args: argparse.Namespace, label: str, mode: str
+) -> dict[str, Any]:
+    """py-spy on the router while wrk keeps it busy (a separate, unmeasured load run)."""
+    out = args.workdir / f"{label.replace('/', '_')}-{mode}.pyspy.txt"
+    wrk = subprocess.Popen(
+        [
+            "wrk",
+            "-t",
+            str(args.threads),
+            "-c",
+            str(args.connections),
+            "-d",
+            f"{args.profile + 3:g}s",
+            "-s",
+            str(script),
+            url + "/v1/completions",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        time.sleep(1)
+        prof = record(pid, args.profile, out)
+    except BenchError as exc:
+        return {"problem": str(exc)}
+    finally:
+        wrk.wait(timeout=args.profile + 30)
+    return {
+        "samples": prof.samples,
+        "self_top": prof.self_top,
+        "inclusive_top": prof.inclusive_top,
+        "raw_file": prof.raw_file,
+    }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -138,6 +186,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         f"  errors {row['errors']}",
                         flush=True,
                     )
+                    if running is not None and router.startswith("kvstrata/") and args.profile > 0:
+                        row["profile"] = _profile(
+                            running.url, running.proc.popen.pid, script, args, label, mode
+                        )
                 except BenchError as exc:
                     row["problem"] = str(exc).splitlines()[0]
                     row["detail"] = str(exc)
@@ -189,7 +241,8 @@ def render(payload: dict[str, Any]) -> str:
         "+p99 ms",
         "chunks/s",
         "errors",
-        "router cpu",
+        "router cores",
+        "cpu us/req",
     ]
     rows = []
     for r in payload["results"]:
@@ -205,6 +258,7 @@ def render(payload: dict[str, Any]) -> str:
                 fmt(r.get("sse_chunks_per_s"), 0),
                 fmt(r.get("errors")),
                 fmt(r.get("router_cpu_cores"), 2),
+                fmt(r.get("router_cpu_us_per_req"), 0),
             ]
         )
     s = payload["settings"]
@@ -218,6 +272,18 @@ def render(payload: dict[str, Any]) -> str:
             lines.append(f"! {r['target']} ({r['mode']}): {r['problem']}")
     for name, why in payload["skipped"].items():
         lines.append(f"skipped {name}: {why}")
+    for r in payload["results"]:
+        prof = r.get("profile")
+        if not prof:
+            continue
+        lines.append(f"\npy-spy, {r['target']} ({r['mode']}), {prof.get('samples', 0)} samples:")
+        if "problem" in prof:
+            lines.append(f"  {prof['problem']}")
+            continue
+        lines.append("  self (leaf) frames:")
+        lines += [f"    {100 * share:5.1f}%  {frame}" for frame, share in prof["self_top"][:12]]
+        lines.append("  inclusive frames:")
+        lines += [f"    {100 * share:5.1f}%  {frame}" for frame, share in prof["inclusive_top"][:12]]
     return "\n".join(lines)
 
 
