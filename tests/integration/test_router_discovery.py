@@ -1,7 +1,8 @@
 """The router's EndpointSlice watch against a real kube-apiserver (the local cluster).
 
 Slices are created directly (with their own managed-by label, so the EndpointSlice controller leaves
-them alone), and the watcher must follow every change: ready endpoints in, not-ready and deleted out."""
+them alone; the API server refuses loopback addresses in slices, hence 10.88.0.x: no traffic goes
+there), and the watcher must follow every change: ready endpoints in, not-ready and deleted out."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ async def test_watch_follows_endpointslices(local_cluster: LocalCluster, namespa
     removed: list[str] = []
     pool.subscribe(lambda ep: None, lambda ep: removed.append(ep.url))
     local_cluster.apply(
-        eps_slice("demo-engine-a", {"127.0.10.1": True, "127.0.10.2": False}), namespace=namespace
+        eps_slice("demo-engine-a", {"10.88.0.1": True, "10.88.0.2": False}), namespace=namespace
     )
     disc = Discovery(service=SERVICE, namespace=namespace)
     access = load_api_access(str(local_cluster.kubeconfig))
@@ -58,21 +59,21 @@ async def test_watch_follows_endpointslices(local_cluster: LocalCluster, namespa
     watcher.start()
     try:
         await asyncio.wait_for(watcher.synced.wait(), 20)
-        assert [e.url for e in pool.all()] == ["http://127.0.10.1:8000"]
-        assert pool.all()[0].spec.kv_events == "tcp://127.0.10.1:5557"
+        assert [e.url for e in pool.all()] == ["http://10.88.0.1:8000"]
+        assert pool.all()[0].spec.kv_events == "tcp://10.88.0.1:5557"
         # A second slice and a readiness change arrive through the watch.
-        local_cluster.apply(eps_slice("demo-engine-b", {"127.0.10.3": True}), namespace=namespace)
+        local_cluster.apply(eps_slice("demo-engine-b", {"10.88.0.3": True}), namespace=namespace)
         local_cluster.apply(
-            eps_slice("demo-engine-a", {"127.0.10.1": True, "127.0.10.2": True}), namespace=namespace
+            eps_slice("demo-engine-a", {"10.88.0.1": True, "10.88.0.2": True}), namespace=namespace
         )
         await until("three ready endpoints", lambda: len(pool) == 3)
         # A pod going not-ready leaves the pool at once.
         local_cluster.apply(
-            eps_slice("demo-engine-a", {"127.0.10.1": False, "127.0.10.2": True}), namespace=namespace
+            eps_slice("demo-engine-a", {"10.88.0.1": False, "10.88.0.2": True}), namespace=namespace
         )
-        await until("127.0.10.1 removed", lambda: "http://127.0.10.1:8000" not in pool)
+        await until("10.88.0.1 removed", lambda: "http://10.88.0.1:8000" not in pool)
         local_cluster.kubectl("delete", "endpointslice", "demo-engine-b", "-n", namespace)
-        await until("slice b removed", lambda: [e.url for e in pool.all()] == ["http://127.0.10.2:8000"])
-        assert sorted(removed) == ["http://127.0.10.1:8000", "http://127.0.10.3:8000"]
+        await until("slice b removed", lambda: [e.url for e in pool.all()] == ["http://10.88.0.2:8000"])
+        assert sorted(removed) == ["http://10.88.0.1:8000", "http://10.88.0.3:8000"]
     finally:
         await watcher.stop()
