@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from typing import Self
 
 import aiohttp
@@ -80,7 +81,9 @@ class RouterService:
         self.scraper.on_down = self.router.mark_down
         disc = s.discovery
         if disc.service:
-            namespace = disc.namespace or in_cluster_namespace() or "default"
+            namespace = (
+                disc.namespace or os.environ.get("POD_NAMESPACE") or in_cluster_namespace() or "default"
+            )
             self.watcher = EndpointSliceWatcher(disc, namespace, load_api_access(), self.router.pool.replace)
             self.watcher.start()
             with contextlib.suppress(TimeoutError):
