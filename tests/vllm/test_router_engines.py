@@ -41,6 +41,8 @@ class Stack:
     router_proc: subprocess.Popen[bytes]
     router_log: Path
     tokenizer: LocalTokenizer
+    model_dir: Path
+    log_dir: Path
 
     def engine(self, url: str) -> VllmEngine:
         return next(e for e in self.engines if e.base_url == url)
@@ -77,6 +79,23 @@ def stack(tiny_model: Path, vllm_py: Path, tmp_path_factory: pytest.TempPathFact
         extra_args=["--enable-prompt-tokens-details"],
         timeout=900,
     )
+    router_log = log_dir / "router.log"
+    try:
+        proc, url = start_router(engines, tiny_model, router_log)
+    except BaseException:
+        stop_all(engines)
+        raise
+    try:
+        yield Stack(engines, url, proc, router_log, LocalTokenizer(tiny_model), tiny_model, log_dir)
+    finally:
+        stop_router(proc)
+        stop_all(engines)
+
+
+def start_router(
+    engines: list[VllmEngine], tiny_model: Path, log_path: Path
+) -> tuple[subprocess.Popen[bytes], str]:
+    """`kvstrata router` as deployed (a process of its own), in front of ``engines``; waits for /ready."""
     port = free_port()
     argv = [
         str(VENV_BIN / "kvstrata"),
@@ -96,20 +115,23 @@ def stack(tiny_model: Path, vllm_py: Path, tmp_path_factory: pytest.TempPathFact
     ]
     for e in engines:
         argv += ["--endpoint", f"{e.base_url},events={e.kv_events_endpoint},replay={e.kv_replay_endpoint}"]
-    router_log = log_dir / "router.log"
-    with open(router_log, "wb") as log:
+    with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         _wait_http(f"http://127.0.0.1:{port}/ready", 60)
-        yield Stack(engines, f"http://127.0.0.1:{port}", proc, router_log, LocalTokenizer(tiny_model))
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        stop_all(engines)
+    except BaseException:
+        stop_router(proc)
+        raise
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def stop_router(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 # --- helpers -----------------------------------------------------------------------------------------
@@ -151,17 +173,17 @@ def engine_counter(engine: VllmEngine, name: str) -> float:
     return total
 
 
-def router_state(stack: Stack) -> dict[str, Any]:
+def router_state(stack: Stack, url: str | None = None) -> dict[str, Any]:
     import urllib.request
 
-    with urllib.request.urlopen(stack.router_url + "/kvstrata/state", timeout=5) as resp:
+    with urllib.request.urlopen((url or stack.router_url) + "/kvstrata/state", timeout=5) as resp:
         return json.loads(resp.read())
 
 
-def router_metric(stack: Stack, name: str) -> float:
+def router_metric(stack: Stack, name: str, url: str | None = None) -> float:
     import urllib.request
 
-    with urllib.request.urlopen(stack.router_url + "/metrics", timeout=5) as resp:
+    with urllib.request.urlopen((url or stack.router_url) + "/metrics", timeout=5) as resp:
         text_ = resp.read().decode()
     total = 0.0
     for line in text_.splitlines():
@@ -293,6 +315,39 @@ async def test_shared_prefixes_land_on_the_engine_that_holds_them(stack: Stack) 
         f"\n[router-engines] shared-prefix hit rate {total_hits / total_queries:.3f} "
         f"({total_hits:.0f}/{total_queries:.0f} prompt tokens); per engine hits {hits}"
     )
+
+
+async def test_a_new_router_learns_what_engines_hold_through_replay(stack: Stack) -> None:
+    """A router that starts after the traffic knows the engines' caches from their replay buffers."""
+    proc, url = await asyncio.to_thread(
+        start_router, stack.engines, stack.model_dir, stack.log_dir / "router-2.log"
+    )
+    try:
+        for _ in range(100):
+            state = router_state(stack, url)
+            if all(e["indexedBlocks"] > 0 for e in state["endpoints"].values()):
+                break
+            await asyncio.sleep(0.1)
+        assert all(e["indexedBlocks"] > 0 for e in state["endpoints"].values()), state
+        assert router_metric(stack, "kvstrata_router_kv_event_replays_total", url) >= len(stack.engines)
+        # Its very first request already finds the cached prefix (no prediction, no traffic of its own).
+        prompt = text(1000, 350) + " " + text(7777, 20)  # group 0's shared prefix, a new suffix
+        async with aiohttp.ClientSession() as s:
+            status, headers, resp = await post(
+                s, url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+            )
+        assert status == 200 and headers["x-kvstrata-reason"] == "prefix", headers
+        predicted = int(headers["x-kvstrata-predicted-cached-tokens"])
+        assert predicted > 0
+        assert resp["usage"]["prompt_tokens_details"]["cached_tokens"] >= predicted
+        print(
+            f"\n[router-engines] fresh router: indexed blocks from replay "
+            f"{ {u: e['indexedBlocks'] for u, e in state['endpoints'].items()} }, first request predicted "
+            f"{predicted} cached tokens, engine reported {resp['usage']['prompt_tokens_details']['cached_tokens']}"
+        )
+    finally:
+        await asyncio.to_thread(stop_router, proc)
+    assert "Traceback" not in (stack.log_dir / "router-2.log").read_text()
 
 
 async def _one(
