@@ -306,9 +306,26 @@ class Proxy:
         return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+@web.middleware
+async def openai_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Errors raised outside the handlers' own checks (body too large, bad method, a bug) still reach
+    the client in the OpenAI error shape, never as a traceback or an HTML page."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return json_error(exc.status, exc.reason or "request failed", code=f"http_{exc.status}")
+    except (asyncio.CancelledError, ConnectionError):
+        raise
+    except Exception:
+        log.exception("unexpected error on %s %s", request.method, request.path)
+        return json_error(500, "internal router error (logged)", code="router_error")
+
+
 def build_app(router: Router, session: aiohttp.ClientSession) -> web.Application:
     proxy = Proxy(router, session)
-    app = web.Application(client_max_size=64 * 1024**2)
+    app = web.Application(client_max_size=64 * 1024**2, middlewares=[openai_errors])
     app[ROUTER_KEY] = router
     app[SESSION_KEY] = session
     app.router.add_post("/v1/completions", proxy.completions)

@@ -373,3 +373,13 @@ async def test_engine_without_tokenize_falls_back_once_then_stops_asking(
     metrics = await (await h.client.get(h.base + "/metrics")).text()
     assert 'kvstrata_router_fallbacks_total{reason="remote_tokenize_failed"} 1.0' in metrics
     assert 'kvstrata_router_fallbacks_total{reason="remote_tokenize_unavailable"} 2.0' in metrics
+
+
+async def test_oversized_body_gets_an_openai_error(
+    make_router: RouterFactory, fakes: Callable[..., Any]
+) -> None:
+    (ok,) = await fakes("ok")
+    h = await make_router([ok.url])
+    status, headers, raw = await h.post("/v1/completions", b"x" * (64 * 1024**2 + 1))
+    assert status == 413 and headers["Content-Type"].startswith("application/json")
+    assert json.loads(raw)["error"]["code"] == "http_413"
