@@ -31,7 +31,19 @@ def start(layout: Layout, name: str, argv: list[str], env: dict[str, str] | None
             close_fds=True,
         )
     layout.pid_file(name).write_text(f"{proc.pid}\n{argv[0]}\n")
+    _await_exec(proc, argv[0])
     return proc.pid
+
+
+def _await_exec(proc: subprocess.Popen[bytes], exe: str, timeout: float = 5.0) -> None:
+    """Popen returns once exec has begun, but /proc/<pid>/cmdline is empty until the kernel has
+    set up the new image; a liveness check in that window would call the process dead."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        cmd = _cmdline(proc.pid)
+        if cmd and os.path.basename(cmd[0]) == os.path.basename(exe):
+            return
+        time.sleep(0.01)
 
 
 def _cmdline(pid: int) -> list[str]:
