@@ -43,6 +43,7 @@ log = logging.getLogger("kvstrata.router.route")
 _INLINE_HASH_BLOCKS = 8
 _INLINE_CHARS = 16_384
 _TOKEN_CACHE_SIZE = 4096
+_TOKEN_CACHE_MAX_CHARS = 32_768  # bounds the cache at ~128 MiB of prompt text
 _REMOTE_TOKENIZE_BACKOFF_S = 60.0
 
 
@@ -161,9 +162,10 @@ class Router:
                         self._token_cache.move_to_end(req.text)
                         return cached[1], False, cached[0]
                     n, hashes = await self._offload(self._hash_completion, req.text)
-                    self._token_cache[req.text] = (n, hashes)
-                    if len(self._token_cache) > _TOKEN_CACHE_SIZE:
-                        self._token_cache.popitem(last=False)
+                    if len(req.text) <= _TOKEN_CACHE_MAX_CHARS:
+                        self._token_cache[req.text] = (n, hashes)
+                        if len(self._token_cache) > _TOKEN_CACHE_SIZE:
+                            self._token_cache.popitem(last=False)
                     return hashes, False, n
                 assert req.messages is not None
                 n, hashes = await self._offload(self._hash_chat, req.messages, chat_template_kwargs(req.body))
@@ -171,6 +173,9 @@ class Router:
             except ChatTemplateError as exc:
                 log.debug("chat template failed, falling back: %s", exc)
                 return await self._fallback(req, "chat_template")
+            except Exception as exc:  # the Rust tokenizer raises plain Exceptions; never fail a request on it
+                log.warning("tokenization failed, falling back to character blocks: %s", exc)
+                return await self._fallback(req, "tokenize_error")
         if (
             self.settings.remote_tokenize
             and self.session is not None
