@@ -244,7 +244,7 @@ def up(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         say("interrupted")
         return 130
-    except (StackError, CommandError, TimeoutError, RuntimeError) as e:
+    except (StackError, CommandError, OSError, RuntimeError) as e:
         say(f"failed: {e}")
         return 1
     finally:

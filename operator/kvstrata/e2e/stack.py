@@ -308,6 +308,15 @@ class Stack:
         except (OSError, ValueError):
             return {}
 
+    def processes_ready(self) -> bool:
+        """Every engine and router pod has a launcher process that passed its readiness probe.
+
+        kwok marks a new pod Ready before the launcher overwrites that (within a second), so the
+        cluster's Ready condition alone can be true for that instant without a real engine."""
+        pods = {p["metadata"]["uid"] for c in ("engine", "router") for p in self.pods(c)}
+        procs = self.launcher_procs()
+        return bool(pods) and all(uid in procs and procs[uid]["ready"] for uid in pods)
+
     def condition(self, ctype: str) -> Obj | None:
         conds = (self.ic().get("status") or {}).get("conditions") or []
         return next((c for c in conds if c.get("type") == ctype), None)
@@ -324,7 +333,11 @@ class Stack:
             if on_tick is not None:
                 on_tick(ic)
             ready = conds.get("Ready", {})
-            if ready.get("status") == "True" and st.get("observedGeneration") == ic["metadata"]["generation"]:
+            if (
+                ready.get("status") == "True"
+                and st.get("observedGeneration") == ic["metadata"]["generation"]
+                and self.processes_ready()
+            ):
                 return ic
             last = ready.get("message") or st.get("ready")
             time.sleep(2)
