@@ -207,6 +207,37 @@ def test_kubectl_and_helm_report_their_versions(local_cluster: LocalCluster) -> 
     assert local_cluster.helm("list", "--all-namespaces").returncode == 0
 
 
+def test_helm_installs_and_uninstalls_a_chart(
+    local_cluster: LocalCluster, namespace: str, tmp_path: Path
+) -> None:
+    chart = tmp_path / "hello"
+    (chart / "templates").mkdir(parents=True)
+    (chart / "Chart.yaml").write_text("apiVersion: v2\nname: hello\nversion: 0.1.0\n")
+    (chart / "values.yaml").write_text("greeting: hi\n")
+    (chart / "templates" / "cm.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: {{ .Release.Name }}-cm\n"
+        "data:\n  greeting: {{ .Values.greeting | quote }}\n"
+    )
+    lc = local_cluster
+    lc.helm(
+        "install",
+        "demo",
+        str(chart),
+        "-n",
+        namespace,
+        "--set",
+        "greeting=hello",
+        "--wait",
+        "--timeout",
+        "60s",
+    )
+    assert lc.kubectl_json("get", "configmap", "demo-cm", "-n", namespace)["data"] == {"greeting": "hello"}
+    lc.helm("uninstall", "demo", "-n", namespace, "--wait")
+    gone = lc.kubectl("get", "configmap", "demo-cm", "-n", namespace, check=False)
+    assert gone.returncode != 0
+    assert "NotFound" in gone.stderr
+
+
 class _DenyLabelled(BaseHTTPRequestHandler):
     """A validating webhook that refuses ConfigMaps labelled deny=yes."""
 
