@@ -16,15 +16,16 @@ import re
 import secrets
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kvstrata.localcluster import cluster, versions
 from kvstrata.localcluster.layout import Layout, State
 
+T = TypeVar("T")
 FIXTURE_MARK = "started-by-fixture"
 
 
@@ -71,10 +72,12 @@ class LocalCluster:
         ns = ("-n", namespace) if namespace else ()
         self.kubectl("apply", *ns, "-f", "-", input="\n".join(json.dumps(o) for o in objects))
 
-    def wait_for(self, what: str, predicate: Any, timeout: float = 60, interval: float = 0.5) -> Any:
+    def wait_for(
+        self, what: str, predicate: Callable[[], T], timeout: float = 60, interval: float = 0.5
+    ) -> T:
         """Poll `predicate()` until it returns something truthy; raise TimeoutError naming `what`."""
         deadline = time.monotonic() + timeout
-        last: Any = None
+        last: T | None = None
         while time.monotonic() < deadline:
             last = predicate()
             if last:
