@@ -10,7 +10,7 @@ import msgspec
 import pytest
 import zmq
 
-from kvstrata.testing.engines import KV_EVENTS_TOPIC, EngineError, VllmEngine, free_port, group_alive
+from kvstrata.testing.engines import KV_EVENTS_TOPIC, EngineError, VllmEngine, engines, free_port, group_alive
 
 
 def _counter(metrics: str, name: str) -> float:
@@ -86,3 +86,16 @@ def test_crashed_engine_fails_fast_with_log(tiny_model: Path, vllm_py: Path, tmp
     ):
         eng.wait_ready(timeout=600)
     assert not eng.running()
+
+
+def test_engines_context_starts_together_and_stops_all(
+    tiny_model: Path, vllm_py: Path, tmp_path: Path
+) -> None:
+    with engines(2, tiny_model, log_dir=tmp_path, kv_replay=True, extra_args=["--enforce-eager"]) as started:
+        assert len({e.port for e in started}) == 2
+        assert len({e.kv_events_endpoint for e in started}) == 2
+        assert all(e.kv_replay_endpoint for e in started)
+        for eng in started:
+            assert eng.complete("one two three", max_tokens=2)["usage"]["completion_tokens"] == 2
+        groups = [e.pid for e in started]
+    assert not any(group_alive(g) for g in groups if g is not None)
