@@ -146,14 +146,29 @@ def test_statefulset_gets_running_pods_on_loopback_ips_and_bound_pvcs(
     lc.wait_for("EndpointSlice with the pod IPs", slice_addresses, timeout=30)
 
 
-def test_deleting_a_statefulset_garbage_collects_its_pods(
+def test_deleting_a_statefulset_collects_its_pods_and_released_volumes(
     local_cluster: LocalCluster, namespace: str
 ) -> None:
     lc = local_cluster
     lc.apply(*_statefulset("gc", replicas=2, gpus=0, storage="1Gi"), namespace=namespace)
     lc.wait_for("2 running pods", lambda: _running_ready(lc, namespace, "gc", 2), timeout=90)
+    claims = lc.kubectl_json("get", "pvc", "-n", namespace)["items"]
+    volumes = [c["spec"]["volumeName"] for c in claims]
+    dirs = [Path(lc.kubectl_json("get", "pv", v)["spec"]["hostPath"]["path"]) for v in volumes]
+    assert len(volumes) == 2
+    assert all(d.is_dir() for d in dirs)
+
     lc.kubectl("delete", "statefulset", "gc", "-n", namespace, "--wait=false")
     lc.wait_for("pods to be garbage-collected", lambda: _pods(lc, namespace, "gc") == [], timeout=90)
+
+    # StatefulSets keep their PVCs; deleting them releases the PVs, which the provisioner removes.
+    lc.kubectl("delete", "pvc", "--all", "-n", namespace, "--wait=false")
+
+    def volumes_gone() -> bool:
+        left = lc.kubectl("get", "pv", *volumes, "--ignore-not-found", "-o", "name").stdout.strip()
+        return not left and not any(d.exists() for d in dirs)
+
+    lc.wait_for("released PVs and their directories to be deleted", volumes_gone, timeout=60)
 
 
 def _as_token(lc: LocalCluster, token: str, *args: str) -> Any:
