@@ -27,7 +27,13 @@ import yaml
 
 from bench.report import fmt, machine, mean, percentile, table, write_json
 from kvstrata.controller.kube import Kube
-from kvstrata.controller.localrun import install_chart, run_operator, uninstall_chart, wait_webhook_serving
+from kvstrata.controller.localrun import (
+    ensure_model_claim,
+    install_chart,
+    run_operator,
+    uninstall_chart,
+    wait_webhook_serving,
+)
 from kvstrata.localcluster.session import acquire, fresh_namespace, release
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny-cpu.yaml"
@@ -110,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         op = run_operator(inst, workdir)
         kube = Kube.from_environment(str(lc.kubeconfig))
         with fresh_namespace(lc, "bench-operator") as ns:
+            ensure_model_claim(lc, ns)
             wait_webhook_serving(lc, ns)
             rss_idle = rss_kib(op.pid or 0)
             one = create_and_time(kube, ns, ["one"], args.timeout)

@@ -20,6 +20,7 @@ import yaml
 from kvstrata.controller.localrun import (
     Install,
     OperatorProcess,
+    ensure_model_claim,
     install_chart,
     run_operator,
     uninstall_chart,
@@ -111,6 +112,7 @@ def operator_env_fixture(
         extra = list(getattr(request.module, "OPERATOR_ARGS", []))
         op = run_operator(inst, tmp_path_factory.mktemp("operator"), extra_args=extra)
         with fresh_namespace(local_cluster, "kvs-op") as ns:
+            ensure_model_claim(local_cluster, ns)
             wait_webhook_serving(local_cluster, ns)
             env = OperatorEnv(local_cluster, inst, op, ns)
             try:

@@ -81,7 +81,8 @@ def test_tiny_cpu_example_becomes_ready_with_rendered_children(operator_env: Ope
         and owner["controller"] is True
         and owner["uid"] == obj["metadata"]["uid"]
     )
-    managers = {m["manager"] for m in sts["metadata"]["managedFields"] if m["operation"] == "Apply"}
+    fields = env.lc.kubectl_json("get", "statefulset", "tiny-engine", "-n", env.ns, "--show-managed-fields")
+    managers = {m["manager"] for m in fields["metadata"]["managedFields"] if m["operation"] == "Apply"}
     assert managers == {"kvstrata"}
     labels = sts["metadata"]["labels"]
     for key in ("name", "instance", "component", "managed-by", "part-of"):

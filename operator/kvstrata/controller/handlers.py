@@ -84,6 +84,20 @@ def kopf_settings(config: OperatorConfig) -> kopf.OperatorSettings:
 def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
     ic: dict[str, Any] = {"group": GROUP, "version": VERSION, "plural": PLURAL, "registry": registry}
 
+    @kopf.on.login(registry=registry, id="login")
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        # kopf's watches use the very credentials of the operator's own client (--kubeconfig or in-cluster).
+        c = rt.kube.credentials()
+        return kopf.ConnectionInfo(
+            server=c["server"],
+            ca_path=c["ca_path"],
+            insecure=c["insecure"],
+            scheme=c["scheme"],
+            token=c["token"],
+            certificate_path=c["certificate_path"],
+            private_key_path=c["private_key_path"],
+        )
+
     @kopf.on.startup(registry=registry, id="status-loop-start")
     async def start_status_loop(**_: Any) -> None:
         rt.tasks.append(asyncio.create_task(rt.sync.run(), name="kvstrata-status"))

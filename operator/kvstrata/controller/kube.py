@@ -115,6 +115,25 @@ class Kube:
         cfg.connection_pool_maxsize = pool_size
         return cls(client.ApiClient(cfg))
 
+    def credentials(self) -> dict[str, Any]:
+        """Server, CA and token or client certificate, for kopf's own connection (re-read each login)."""
+        cfg = self.api.configuration
+        if cfg.refresh_api_key_hook is not None:
+            cfg.refresh_api_key_hook(cfg)  # in-cluster: re-reads the projected, rotating token
+        header = cfg.get_api_key_with_prefix("BearerToken") or cfg.get_api_key_with_prefix("authorization")
+        scheme, _, token = (header or "").partition(" ")
+        if header and not token:
+            scheme, token = "Bearer", header
+        return {
+            "server": cfg.host,
+            "ca_path": cfg.ssl_ca_cert,
+            "insecure": not cfg.verify_ssl,
+            "scheme": scheme or None,
+            "token": token or None,
+            "certificate_path": cfg.cert_file,
+            "private_key_path": cfg.key_file,
+        }
+
     def request(
         self,
         method: str,

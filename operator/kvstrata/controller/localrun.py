@@ -272,6 +272,18 @@ def run_operator(inst: Install, workdir: Path, extra_args: list[str] | None = No
     return op
 
 
+def ensure_model_claim(lc: LocalCluster, namespace: str, name: str = "models") -> None:
+    """The claim the examples' `source: pvc://models/...` reads weights from (a user creates it in a real
+    cluster); the local provisioner binds it."""
+    claim = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}},
+    }
+    lc.kubectl("apply", "-f", "-", input=json.dumps(claim))
+
+
 def wait_webhook_serving(lc: LocalCluster, namespace: str, timeout: float = 60) -> None:
     """Until a server-side dry-run create reaches the webhook (the EndpointSlice may lag the pod)."""
     probe = {

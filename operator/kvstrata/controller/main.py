@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 
 from kvstrata.controller import metrics
@@ -18,11 +19,27 @@ def _fail(message: str) -> int:
     return 2
 
 
+class _QuietWatchHandlers(logging.Filter):
+    """kopf logs every watch-event handler call at INFO; for the status feeders that is one line per pod
+    change. Their failures still get through."""
+
+    NOISE = re.compile(r"^Handler '[a-z]+-status' succeeded\.$")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.verbose or not self.NOISE.match(record.getMessage())
+
+    def __init__(self, verbose: bool) -> None:
+        super().__init__()
+        self.verbose = verbose
+
+
 def _configure_logging(config: OperatorConfig) -> None:
     import kopf
 
     fmt = kopf.LogFormat.JSON if config.log_format == "json" else kopf.LogFormat.FULL
     kopf.configure(verbose=config.verbose, log_format=fmt)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_QuietWatchHandlers(config.verbose))
     # aiohttp logs every webhook call at INFO; the admission counter already counts them.
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 

@@ -139,9 +139,17 @@ class StatusSync:
             if err.not_found:
                 return  # the cluster was deleted meanwhile
             log.warning("status of %s/%s not written (will retry): %s", key[0], key[1], err)
-            with self._lock:
-                self._last_write[key] = self.clock()
-            self.mark(key)
+            self._retry_later(key)
+        except Exception:
+            # A bug, not an API hiccup: show it, keep the loop (and every other cluster's status) alive.
+            metrics.STATUS_WRITES.labels("error").inc()
+            log.exception("status of %s/%s not computed (will retry)", key[0], key[1])
+            self._retry_later(key)
+
+    def _retry_later(self, key: Key) -> None:
+        with self._lock:
+            self._last_write[key] = self.clock()
+        self.mark(key)
 
     def forget(self, key: Key) -> None:
         with self._lock:
