@@ -37,7 +37,7 @@ def main(argv: list[str]) -> int:
     layout = Layout((args.state_dir or versions.default_state_dir()).expanduser().resolve())
     try:
         return _dispatch(args, layout)
-    except (cluster.ClusterError, build.BuildError) as e:
+    except (cluster.ClusterError, build.BuildError, OSError) as e:
         print(f"kvstrata cluster {args.cmd}: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
