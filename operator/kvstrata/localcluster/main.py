@@ -21,7 +21,11 @@ def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--state-dir", type=Path, default=argparse.SUPPRESS, help=state_help)
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("build", parents=[common], help="build the binaries (cached; `up` does this when needed)")
+    b = sub.add_parser(
+        "build", parents=[common], help="build the binaries (cached; `up` does this when needed)"
+    )
+    b.add_argument("--force", action="store_true", help="rebuild even if the stamp exists")
+    b.add_argument("--keep-gocache", action="store_true", help="keep the Go build cache (faster rebuilds)")
     up = sub.add_parser("up", parents=[common], help="start the cluster (no-op when it already runs)")
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for each readiness step")
     down = sub.add_parser("down", parents=[common], help="stop the cluster and remove its state")
@@ -46,7 +50,7 @@ def main(argv: list[str]) -> int:
 
 def _dispatch(args: argparse.Namespace, layout: Layout) -> int:
     if args.cmd == "build":
-        print(build.build())
+        print(build.build(force=args.force, keep_gocache=args.keep_gocache))
         return 0
     if args.cmd == "up":
         state = cluster.up(layout, timeout=args.timeout)
