@@ -130,7 +130,7 @@ def start_backend(procs: ProcGroup, workdir: Path, workers: int) -> Backend:
     nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
     if nginx is None:
         raise BenchError("nginx not found: `make bench-proxy` installs it (apt-get install nginx-light)")
-    prefix = workdir / "nginx"
+    prefix = (workdir / "nginx").resolve()  # nginx resolves relative paths against -p, not the cwd
     (prefix / "tmp").mkdir(parents=True, exist_ok=True)
     json_ports = [free_port() for _ in range(workers)]
     sse_ports = [free_port() for _ in range(workers)]

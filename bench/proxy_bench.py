@@ -24,7 +24,7 @@ from bench.procs import BenchError, ProcGroup, http_post, sigterm_as_interrupt
 from bench.profile import record
 from bench.report import fmt, group_cpu_seconds, machine, table, write_json
 from bench.routers import RouterConfig, Worker, kvstrata_router_available, start_router
-from bench.wrk import run_wrk, write_script
+from bench.wrk import UNIQUE, run_wrk, write_script
 
 DEFAULT_ROUTERS = (
     "sglang-router/cache_aware",
@@ -66,13 +66,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=float(os.environ.get("BENCH_PROFILE", "8")),
         help="seconds of py-spy sampling of each kvstrata router under load (0 = off)",
     )
+    p.add_argument(
+        "--same-prompt",
+        dest="unique_prompts",
+        action="store_false",
+        help="send one fixed prompt (default: a shared ~130-token prefix + a unique counter)",
+    )
     p.add_argument("--out", type=Path, default=Path(".bench/proxy.json"))
     p.add_argument("--workdir", type=Path, default=Path(".bench/proxy"))
     return p.parse_args(argv)
 
 
-def _request_body(stream: bool) -> str:
-    return json.dumps({"model": nginx_backend.MODEL, "prompt": PROMPT, "max_tokens": 16, "stream": stream})
+def _request_body(stream: bool, unique: bool = False) -> str:
+    """The POST body; with `unique`, the prompt ends in a per-request counter (filled in by wrk)."""
+    prompt = PROMPT + (f" Ticket {UNIQUE}." if unique else "")
+    return json.dumps({"model": nginx_backend.MODEL, "prompt": prompt, "max_tokens": 16, "stream": stream})
 
 
 def _check_once(url: str, stream: bool) -> str | None:
@@ -162,7 +170,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         backend = nginx_backend.start_backend(procs, args.workdir, args.workers)
         for mode in modes:
             stream = mode == "sse"
-            script = write_script(args.workdir / f"wrk-{mode}.lua", _request_body(stream))
+            script = write_script(
+                args.workdir / f"wrk-{mode}.lua", _request_body(stream, args.unique_prompts)
+            )
             urls = backend.sse_urls if stream else backend.json_urls
             targets: list[tuple[str, str | None]] = [("direct (nginx)", None), *[(r, r) for r in routers]]
             for label, router in targets:
@@ -209,6 +219,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "duration_s": args.duration,
             "warmup_s": args.warmup,
             "wrk_threads": args.threads,
+            "unique_prompts": args.unique_prompts,
             "backend_workers": args.workers,
             "backend": "nginx (Debian nginx-light), 1 worker process, canned bodies via `return`",
             "sse_events_per_response": nginx_backend.SSE_CHUNKS + 1,

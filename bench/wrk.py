@@ -45,10 +45,27 @@ class WrkResult:
         return asdict(self)
 
 
+UNIQUE = "@@N@@"
+# Replaces the fixed body: UNIQUE in the body becomes a per-request counter, so every prompt differs
+# (routers cannot serve tokenization or prefix look-ups from a one-entry cache).
+_LUA_UNIQUE = """
+local head, tail = [==[%HEAD%]==], [==[%TAIL%]==]
+local n = 0
+request = function()
+  n = n + 1
+  return wrk.format(nil, nil, nil, head .. n .. tail)
+end
+"""
+
+
 def write_script(path: Path, body: str) -> Path:
     if "]==]" in body:
         raise BenchError("request body must not contain ']==]' (Lua long-string terminator)")
-    path.write_text(_LUA.replace("%BODY%", body).replace("%MARK%", _MARK))
+    lua = _LUA.replace("%BODY%", body).replace("%MARK%", _MARK)
+    if UNIQUE in body:
+        head, _, tail = body.partition(UNIQUE)
+        lua += _LUA_UNIQUE.replace("%HEAD%", head).replace("%TAIL%", tail)
+    path.write_text(lua)
     return path
 
 
