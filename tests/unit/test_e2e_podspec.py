@@ -145,3 +145,17 @@ def test_readiness_patch_shapes() -> None:
     ]
     assert {c["status"] for c in down["conditions"]} == {"False"}
     assert down["containerStatuses"][0]["state"]["waiting"]["reason"] == "CrashLoopBackOff"
+
+
+def test_router_config_paths_follow_the_mounts(tmp_path: Path) -> None:
+    from kvstrata.e2e.podspec import rewrite_paths
+
+    pod = as_pod(rendered("Deployment", "tiny-router"), "tiny-router-abc", ip="127.10.2.9")
+    spec = launch_spec(
+        pod,
+        programs={"kvstrata": KVSTRATA},
+        volume_dirs={"config": tmp_path / "cfg", "model": tmp_path / "pv"},
+    )
+    cfg = json.loads(rendered("ConfigMap", "tiny-router")["data"]["router.json"])
+    assert cfg["tokenizer"] == "/models/tiny-llama"
+    assert rewrite_paths(cfg, spec.mounts)["tokenizer"] == str(tmp_path / "pv" / "tiny-llama")

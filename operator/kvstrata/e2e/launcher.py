@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstrata.e2e.podspec import LaunchSpec, PodSpecError, launch_spec, static_discovery
+from kvstrata.e2e.podspec import LaunchSpec, PodSpecError, launch_spec, rewrite_paths, static_discovery
 from kvstrata.testing.engines import VllmEngine, group_alive, vllm_python
 
 log = logging.getLogger("kvstrata.e2e.launcher")
@@ -329,7 +329,10 @@ class Launcher:
         original = cfg_path.with_suffix(".json.rendered")
         if not original.exists():
             original.write_text(cfg_path.read_text())
-        cfg = static_discovery(json.loads(original.read_text()), list(engine_ips))
+        # The file is read inside the container too: its paths under mounts (the tokenizer) map like argv.
+        cfg = rewrite_paths(
+            static_discovery(json.loads(original.read_text()), list(engine_ips)), m.spec.mounts
+        )
         cfg_path.write_text(json.dumps(cfg, indent=2))
         m.discovery = engine_ips
 

@@ -56,6 +56,7 @@ class LaunchSpec:
     readiness: Probe | None
     ports: dict[str, int]
     substitutions: list[str] = field(default_factory=list)
+    mounts: dict[str, Path] = field(default_factory=dict)
 
 
 def container_named(pod: Obj, name: str | None = None) -> Obj:
@@ -237,7 +238,13 @@ def launch_spec(
         readiness=readiness_probe(c),
         ports=ports,
         substitutions=subs,
+        mounts=mounts,
     )
+
+
+def rewrite_paths(doc: Any, mounts: Mapping[str, Path]) -> Any:
+    """Paths under a mount inside a config file the container reads (e.g. router.json's tokenizer)."""
+    return _rewrite_json(doc, mounts)
 
 
 def static_discovery(router_json: Mapping[str, Any], engine_ips: list[str]) -> dict[str, Any]:
