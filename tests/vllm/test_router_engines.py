@@ -323,13 +323,16 @@ async def test_a_new_router_learns_what_engines_hold_through_replay(stack: Stack
         start_router, stack.engines, stack.model_dir, stack.log_dir / "router-2.log"
     )
     try:
-        for _ in range(100):
-            state = router_state(stack, url)
-            if all(e["indexedBlocks"] > 0 for e in state["endpoints"].values()):
+        # The start-up replays run concurrently; each is counted once its end marker arrives.
+        for _ in range(200):
+            replays = router_metric(stack, "kvstrata_router_kv_event_replays_total", url)
+            if replays >= len(stack.engines):
                 break
             await asyncio.sleep(0.1)
+        assert replays >= len(stack.engines)
+        state = router_state(stack, url)
+        assert router_metric(stack, "kvstrata_router_kv_event_gaps_total", url) == 0
         assert all(e["indexedBlocks"] > 0 for e in state["endpoints"].values()), state
-        assert router_metric(stack, "kvstrata_router_kv_event_replays_total", url) >= len(stack.engines)
         # Its very first request already finds the cached prefix (no prediction, no traffic of its own).
         prompt = text(1000, 350) + " " + text(7777, 20)  # group 0's shared prefix, a new suffix
         async with aiohttp.ClientSession() as s:
