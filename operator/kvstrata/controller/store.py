@@ -44,6 +44,8 @@ class Entry:
     sts: StsView | None = None
     router: DeployView | None = None
     pvcs: dict[str, PvcView] = field(default_factory=dict)
+    # resourceVersion of the newest observation of each child (kind, name)
+    child_rvs: dict[tuple[str, str], int] = field(default_factory=dict)
     exists: bool = False
 
 
@@ -118,6 +120,14 @@ class Store:
             if deleted and key not in self._entries:
                 return None
             entry = self._entry(key)
+            # Watch events and our own apply responses race: never step back to an older object.
+            rv_key, rv = (kind, name), _rv(body)
+            if deleted:
+                entry.child_rvs.pop(rv_key, None)
+            elif rv < entry.child_rvs.get(rv_key, 0):
+                return None
+            else:
+                entry.child_rvs[rv_key] = rv
             if kind == "StatefulSet" and component == "engine":
                 new = None if deleted else StsView.of(body)
                 changed, entry.sts = entry.sts != new, new

@@ -233,3 +233,29 @@ def test_status_loop_rate_limit() -> None:
     clock[0] = 100.6
     due, later = rig.sync._take_due()
     assert due == [("ns", "a")] and later is None
+
+
+def test_store_ignores_an_older_child_than_it_has_seen() -> None:
+    store = Store()
+    body = {
+        "metadata": {"name": "a", "namespace": "ns", "uid": "u", "generation": 1, "resourceVersion": "5"},
+    }
+    store.observe_cluster(body)
+
+    def sts(rv: str, observed: int) -> dict:
+        return {
+            "metadata": {
+                "name": "a-engine",
+                "namespace": "ns",
+                "generation": 1,
+                "resourceVersion": rv,
+                "labels": {"app.kubernetes.io/instance": "a", "app.kubernetes.io/component": "engine"},
+            },
+            "status": {"observedGeneration": observed, "replicas": 1, "readyReplicas": observed},
+        }
+
+    assert store.observe_child("StatefulSet", sts("20", 1)) == ("ns", "a")
+    # the apply response from before the controller's status update arrives late
+    assert store.observe_child("StatefulSet", sts("10", 0)) is None
+    _, observed, _, _ = store.snapshot(("ns", "a"))
+    assert observed.sts is not None and observed.sts.observed_generation == 1
