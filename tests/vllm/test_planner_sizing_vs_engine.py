@@ -23,7 +23,15 @@ from kvstrata.api import InferenceCluster
 from kvstrata.planner import Plan, plan
 from kvstrata.planner.arch import architecture_from_hf_config
 from kvstrata.planner.kv import kv_bytes_per_token, tokens_in
-from kvstrata.testing.engines import VllmEngine, free_port, rebind_engine_args, start_all, stop_all
+from kvstrata.testing.engines import (
+    EngineError,
+    VllmEngine,
+    free_port,
+    rebind_engine_args,
+    start_all,
+    stop_all,
+)
+from kvstrata.testing.tinymodel import ensure_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 SIZING_LINE = re.compile(
@@ -129,3 +137,86 @@ def test_engines_serve_with_rendered_flags(planned_engines: dict[str, tuple[Plan
     for _, engine in planned_engines.values():
         out = engine.complete("the quick brown fox jumps over the lazy dog", max_tokens=3)
         assert out["usage"]["completion_tokens"] == 3
+
+
+# A model whose KV is wide enough that 1 GiB holds only 128 blocks of 32 tokens (8 layers x 32 KV heads x
+# 256 x 2 x 2 B = 256 KiB per token), so long sequences do not fit and vLLM refuses to start.
+WIDE = {
+    "num_layers": 8,
+    "num_heads": 32,
+    "num_kv_heads": 32,
+    "head_dim": 256,
+    "max_position_embeddings": 8192,
+}
+VLLM_REFUSAL = re.compile(
+    r"To serve at least one request with the model's max seq len \((\d+)\), \(([\d.]+) GiB KV cache is needed, "
+    r"which is larger than the available KV cache memory \(([\d.]+) GiB\)\. Based on the available memory, "
+    r"the estimated maximum model length is (\d+)\."
+)
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_tiny_model(tmp_path_factory.mktemp("wide") / "m", vocab_size=1024, **WIDE)
+
+
+@pytest.fixture(scope="module")
+def refusing_engines(
+    wide_model: Path, vllm_py: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[int, VllmEngine]:
+    """Engines that must refuse to start, by maxModelLen; run together, each until it exits."""
+    log_dir = tmp_path_factory.mktemp("refusal")
+    out = {
+        max_len: VllmEngine(
+            wide_model,
+            port=free_port(),
+            max_model_len=max_len,
+            kv_cache_space_gib=1,
+            extra_args=["--enforce-eager"],
+            log_path=log_dir / f"max-len-{max_len}.log",
+        )
+        for max_len in (8192, 4096)
+    }
+    for engine in out.values():
+        engine.start()
+    try:
+        for engine in out.values():
+            with pytest.raises(EngineError, match="exited with code"):
+                engine.wait_ready(timeout=900)
+    finally:
+        stop_all(list(out.values()))
+    return out
+
+
+@pytest.mark.parametrize("max_len", [8192, 4096])
+def test_refusal_predicted_before_the_engine_starts(
+    refusing_engines: dict[int, VllmEngine], max_len: int
+) -> None:
+    """vLLM's start-up refusal, its numbers, and the maxModelLen it suggests, as the planner predicts them.
+
+    vLLM 0.32.0 checks a max-length sequence against the pool minus the null block BlockPool holds back
+    (kv_cache_utils.py, check_enough_kv_cache_memory / get_kv_cache_configs), so 128 blocks admit
+    127 x 32 = 4,064 tokens, not 4,096."""
+    match = VLLM_REFUSAL.search(refusing_engines[max_len].log_text())
+    assert match, refusing_engines[max_len].log_tail()
+    logged_len, needed_gib, available_gib, estimated = match.groups()
+    assert int(logged_len) == max_len
+
+    doc = tiny_manifest(max_model_len=max_len, gpu_tier={"size": "1Gi"})
+    doc["spec"]["model"]["architecture"].update(
+        numLayers=8,
+        numAttentionHeads=32,
+        numKvHeads=32,
+        headDim=256,
+        maxPositionEmbeddings=8192,
+        vocabSize=1024,
+    )
+    p = plan(InferenceCluster.model_validate(doc).spec)
+    gpu = p.tier("gpu")
+    assert gpu is not None
+    block_bytes = BLOCK * p.kv_bytes_per_token_per_rank
+    assert float(needed_gib) == round(p.sequence_bytes / (1 << 30), 2)
+    assert float(available_gib) == round((gpu.bytes - block_bytes) / (1 << 30), 2)
+    assert not p.feasible, f"vLLM refuses maxModelLen {max_len} but the plan says: {p.summary()}"
+    (problem,) = [pr for pr in p.problems if pr.field == "spec.engine.maxModelLen"]
+    assert f"lower spec.engine.maxModelLen to {int(estimated):,}" in problem.fixes, problem.fixes
