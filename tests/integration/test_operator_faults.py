@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 from kvs_operator_env import OperatorEnv, condition, example, operator_env_fixture  # noqa: F401
 
+from kvstrata.controller.status import OWNED_CONDITIONS
 from kvstrata.localcluster import cluster, components, procs
 from kvstrata.localcluster.layout import Layout, State
 
@@ -88,10 +89,12 @@ def metric(text: str, name: str, labels: str) -> float:
 
 
 def transitions(ics: dict[str, dict[str, Any]]) -> dict[tuple[str, str], str]:
+    """lastTransitionTime of the operator's own conditions (MetricsAvailable is the scraper's)."""
     return {
         (name, c["type"]): c["lastTransitionTime"]
         for name, obj in ics.items()
         for c in obj["status"]["conditions"]
+        if c["type"] in OWNED_CONDITIONS
     }
 
 
