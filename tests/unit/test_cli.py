@@ -16,7 +16,7 @@ def test_plan_json_for_a_feasible_manifest(capsys: pytest.CaptureFixture[str]) -
     assert main(["plan", str(EXAMPLES / "tiny-cpu.yaml"), "-o", "json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out[0]["name"] == "tiny" and out[0]["verdict"] == "fits"
-    assert out[0]["tiers"][0]["tokens"] == 2048
+    assert out[0]["tiers"][0]["tokens"] == 96 * 32
 
 
 def test_plan_of_the_examples_dir_fails_because_one_is_infeasible(capsys: pytest.CaptureFixture[str]) -> None:

@@ -20,7 +20,7 @@ def test_tiny_cpu_example_fits_with_exact_block_capacity() -> None:
     p = plan_of(example("tiny-cpu.yaml"))
     assert p.verdict == "fits"
     gpu = p.tier("gpu")
-    assert gpu is not None and gpu.blocks == 64 and gpu.tokens == 64 * 32
+    assert gpu is not None and gpu.blocks == 96 and gpu.tokens == 96 * 32
     assert p.engine_env["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert "--num-gpu-blocks-override" in p.engine_args
     assert "--tensor-parallel-size" not in p.engine_args  # device cpu
@@ -126,7 +126,7 @@ def test_weights_that_do_not_fit_ask_for_more_tensor_parallelism() -> None:
 
 def test_flags_digest_changes_with_the_tier_budget() -> None:
     a = plan_of(example("tiny-cpu.yaml"))
-    b = plan_of(with_changes(example("tiny-cpu.yaml"), {"spec.kvCache.tiers.gpu.numBlocks": 96}))
+    b = plan_of(with_changes(example("tiny-cpu.yaml"), {"spec.kvCache.tiers.gpu.numBlocks": 128}))
     assert a.flags_digest != b.flags_digest
     assert plan_of(example("tiny-cpu.yaml")).flags_digest == a.flags_digest
 
@@ -156,3 +156,12 @@ def test_every_suggested_fix_really_fits() -> None:
     assert "raise spec.engine.tensorParallelSize to 2" in msg
     assert plan_of(with_changes(doc, {"spec.kvCache.dtype": "fp8"})).verdict == "fits"
     assert plan_of(with_changes(doc, {"spec.engine.tensorParallelSize": 2})).verdict == "fits"
+
+
+def test_one_max_length_sequence_must_fit_beside_the_null_block() -> None:
+    # vLLM's BlockPool holds one null block back: 64 blocks of 32 admit 63 x 32 = 2,016 tokens, not 2,048.
+    exact = with_changes(example("tiny-cpu.yaml"), {"spec.kvCache.tiers.gpu.numBlocks": 64})
+    p = plan_of(exact)
+    assert p.verdict == "infeasible"
+    assert "lower spec.engine.maxModelLen to 2,016" in p.problems[0].message()
+    assert plan_of(with_changes(exact, {"spec.kvCache.tiers.gpu.numBlocks": 65})).verdict == "fits"

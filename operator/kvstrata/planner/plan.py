@@ -376,8 +376,11 @@ def plan(spec: InferenceClusterSpec, *, suggest_fixes: bool = True) -> Plan:
     out.tiers.append(_tier("gpu", pool, out.kv_bytes_per_token_per_rank, block))
     out.sequence_bytes = sequence_bytes(arch, eng.max_model_len, layer_bytes, block)
     gpu_tier = out.tiers[0]
-    usable_pool = gpu_tier.blocks * block * out.kv_bytes_per_token_per_rank
-    out.max_concurrency = usable_pool / out.sequence_bytes if out.sequence_bytes else 0.0
+    block_bytes = block * out.kv_bytes_per_token_per_rank
+    # Concurrency counts every block (vLLM's "Maximum concurrency" does), but one max-length sequence must fit
+    # in the pool minus the null block that vLLM's BlockPool holds back (check_enough_kv_cache_memory).
+    out.max_concurrency = gpu_tier.blocks * block_bytes / out.sequence_bytes if out.sequence_bytes else 0.0
+    usable_pool = max(gpu_tier.blocks - 1, 0) * block_bytes
     if pool > 0 and out.sequence_bytes > usable_pool:
         if suggest_fixes:
             out.problems.append(_max_len_problem(spec, arch, out, layer_bytes, usable_pool))
