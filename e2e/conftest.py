@@ -32,12 +32,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def stack(local_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     vllm_python()  # a missing vLLM venv is an error that says how to install it, never a skip
     ns = namespace_name("e2e")
+    # A release of its own, so e2e never shares (or uninstalls) another session's operator; its webhook
+    # ignores failures so that stopping this operator never blocks InferenceClusters elsewhere.
     st = Stack(
-        local_cluster, ns, load_manifest(EXAMPLE), tmp_path_factory.mktemp("stack"), status_interval=3.0
+        local_cluster,
+        ns,
+        load_manifest(EXAMPLE),
+        tmp_path_factory.mktemp("stack"),
+        status_interval=3.0,
+        release=f"kvstrata-{ns}"[:30].rstrip("-"),
+        release_namespace=f"{ns}-system",
+        webhook_failure_policy="Ignore",
     )
     try:
-        st.install_api()
-        st.start_operator()
+        st.install_operator()
         st.prepare_model()
         st.apply_cluster()
         st.start_launcher()
