@@ -35,6 +35,10 @@ DEFAULT_ROUTERS = (
 )
 MODEL = "tiny"
 ENGINES = 3
+# vllm-router's kv_aware policy gets prompt token ids from each engine's POST /v1/completions/render,
+# which vLLM 0.32 answers with 403 unless started with --enable-scale-out (seen here: without it every
+# decision is `missing_tokens` and kv_aware degrades to load balancing). The flag only adds endpoints.
+ENGINE_EXTRA_ARGS = ("--enable-scale-out",)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -228,6 +232,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         num_gpu_blocks_override=blocks,
         max_model_len=max_len,
         served_model_name=MODEL,
+        extra_args=ENGINE_EXTRA_ARGS,
     )
     engines_ready = time.monotonic() - t0
     print(f"engines ready in {engines_ready:.0f} s: {', '.join(e.base_url for e in engines)}", flush=True)
@@ -250,6 +255,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "ready_s": round(engines_ready, 1),
             "model": "tiny generated Llama (dummy weights)",
             "vllm": "0.32.0 CPU",
+            "extra_args": list(ENGINE_EXTRA_ARGS),
         },
         "workload": workload_info,
         "skipped": skipped,
