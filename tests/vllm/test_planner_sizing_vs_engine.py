@@ -220,3 +220,33 @@ def test_refusal_predicted_before_the_engine_starts(
     assert not p.feasible, f"vLLM refuses maxModelLen {max_len} but the plan says: {p.summary()}"
     (problem,) = [pr for pr in p.problems if pr.field == "spec.engine.maxModelLen"]
     assert f"lower spec.engine.maxModelLen to {int(estimated):,}" in problem.fixes, problem.fixes
+
+
+def cpu_examples() -> dict[str, dict[str, Any]]:
+    out = {}
+    for path in sorted((REPO / "examples").glob("*.yaml")):
+        for i, doc in enumerate(yaml.safe_load_all(path.read_text())):
+            if doc and doc["spec"].get("engine", {}).get("device") == "cpu":
+                out[f"{path.name}#{i}"] = doc
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(cpu_examples()))
+def test_cpu_example_boots_real_vllm(name: str, tiny_model: Path, vllm_py: Path, tmp_path: Path) -> None:
+    """What a user starts from must boot: the example's rendered flags and env, on the tiny model."""
+    p = plan(InferenceCluster.model_validate(cpu_examples()[name]).spec)
+    assert p.feasible, p.summary()
+    args = rebind_engine_args(
+        p.engine_args,
+        model_dir=tiny_model,
+        host="127.0.0.1",
+        port=free_port(),
+        kv_events_port=free_port(),
+        kv_replay_port=free_port(),
+    )
+    with VllmEngine.from_argv(args, dict(p.engine_env), log_path=tmp_path / "engine.log") as engine:
+        try:
+            engine.wait_ready(timeout=900)
+        except EngineError as exc:
+            raise AssertionError(f"{name}: the planner's flags do not boot vLLM: {exc}") from None
+        assert engine.complete("a b c d", max_tokens=2)["usage"]["completion_tokens"] == 2
