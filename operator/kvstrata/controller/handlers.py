@@ -19,10 +19,10 @@ from typing import Any
 
 import kopf
 
-from kvstrata.api.models import GROUP, PLURAL, VERSION
+from kvstrata.api.models import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from kvstrata.controller import cache_status, metrics, webhook
 from kvstrata.controller.apply import Applier
-from kvstrata.controller.kube import Kube
+from kvstrata.controller.kube import Kube, KubeError
 from kvstrata.controller.reconcile import Fatal, Reconciler, Retry
 from kvstrata.controller.settings import OperatorConfig
 from kvstrata.controller.statussync import StatusSync
@@ -42,6 +42,35 @@ class Runtime:
     sync: StatusSync
     reconciler: Reconciler
     tasks: list[asyncio.Task[Any]]
+
+
+def repair(rt: Runtime, key: tuple[str, str]) -> None:
+    """Re-apply one cluster's children from its current spec (a child was deleted, or the periodic
+    resync). Skipped while kopf has a newer generation to handle: its own handler applies then."""
+    namespace, name = key
+    try:
+        body = rt.kube.get(API_VERSION, KIND, namespace, name)
+    except KubeError as err:
+        log.warning("re-apply of %s/%s skipped: %s", namespace, name, err)
+        return
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return
+    record, *_ = rt.store.snapshot(key)
+    if record is None or record.generation != body["metadata"].get("generation"):
+        return
+    try:
+        rt.reconciler.reconcile(body)
+    except (Retry, Fatal) as err:
+        log.warning("re-apply of %s/%s failed (the next resync retries): %s", namespace, name, err)
+
+
+async def resync_forever(rt: Runtime) -> None:
+    """Level-triggered safety net: every cluster is re-applied every `resync_interval` seconds, one at a
+    time, which restores children deleted or edited behind the operator's back."""
+    while True:
+        await asyncio.sleep(rt.config.resync_interval)
+        for key in rt.store.live_keys():
+            await asyncio.to_thread(repair, rt, key)
 
 
 def _emit(body: dict[str, Any], type_: str, reason: str, message: str) -> None:
@@ -101,6 +130,8 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
     @kopf.on.startup(registry=registry, id="status-loop-start")
     async def start_status_loop(**_: Any) -> None:
         rt.tasks.append(asyncio.create_task(rt.sync.run(), name="kvstrata-status"))
+        if rt.config.resync_interval > 0:
+            rt.tasks.append(asyncio.create_task(resync_forever(rt), name="kvstrata-resync"))
 
     @kopf.on.cleanup(registry=registry, id="status-loop-stop")
     async def stop_status_loop(**_: Any) -> None:
@@ -130,6 +161,7 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
         if event.get("type") == "DELETED":
             key = rt.store.observe_cluster(obj, deleted=True)
             rt.sync.forget(key)
+            rt.reconciler.forget(key)
         else:
             rt.sync.mark(rt.store.observe_cluster(obj))
         metrics.CLUSTERS.set(len(rt.store))
@@ -137,8 +169,16 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
     def child_handler(kind: str) -> Any:
         async def child_event(event: dict[str, Any], **_: Any) -> None:
             obj = event.get("object") or {}
-            if obj.get("metadata", {}).get("name"):
-                rt.sync.mark(rt.store.observe_child(kind, obj, deleted=event.get("type") == "DELETED"))
+            if not obj.get("metadata", {}).get("name"):
+                return
+            deleted = event.get("type") == "DELETED"
+            key = rt.store.observe_child(kind, obj, deleted=deleted)
+            rt.sync.mark(key)
+            if deleted and key is not None and kind in ("StatefulSet", "Deployment"):
+                # Someone deleted a workload we own (not the garbage collector: the owner is alive).
+                _, _, _, alive = rt.store.snapshot(key)
+                if alive:
+                    await asyncio.to_thread(repair, rt, key)
 
         child_event.__name__ = f"{kind.lower()}_event"
         return child_event

@@ -7,6 +7,7 @@ its exceptions into kopf's (TemporaryError with a delay for what may pass, Perma
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -92,8 +93,24 @@ class Reconciler:
         self.store = store
         self.sync = sync
         self.emit = emit
+        self._locks: dict[tuple[str, str], threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+
+    def _lock(self, body: Obj) -> threading.Lock:
+        key = (body["metadata"]["namespace"], body["metadata"]["name"])
+        with self._locks_guard:
+            return self._locks.setdefault(key, threading.Lock())
 
     def reconcile(self, body: Obj) -> Outcome:
+        """kopf's handlers, the drift repair and the periodic resync may ask at once: one at a time."""
+        with self._lock(body):
+            return self._timed(body)
+
+    def forget(self, key: tuple[str, str]) -> None:
+        with self._locks_guard:
+            self._locks.pop(key, None)
+
+    def _timed(self, body: Obj) -> Outcome:
         started = time.monotonic()
         try:
             outcome = self._reconcile(body)
@@ -113,8 +130,11 @@ class Reconciler:
         verdict = check(body)
         record = _record(body, verdict)
         if not verdict.ok:
-            # Leave existing children alone: they keep serving the last feasible spec.
-            self.emit(body, "Warning", verdict.reason, verdict.message()[:1024])
+            # Leave existing children alone: they keep serving the last feasible spec. One Event per
+            # verdict, not one per resync.
+            previous, *_ = self.store.snapshot(key)
+            if previous != record:
+                self.emit(body, "Warning", verdict.reason, verdict.message()[:1024])
             self.store.set_record(key, record)
             self._write_status(key)
             return Outcome("infeasible", record)

@@ -24,6 +24,7 @@ class OperatorConfig:
     verbose: bool = False
     workers: int = 8
     status_min_interval: float = 1.0
+    resync_interval: float = 600.0
 
     @property
     def liveness_endpoint(self) -> str | None:
@@ -74,6 +75,12 @@ def parser() -> argparse.ArgumentParser:
         default=float(_env("STATUS_MIN_INTERVAL", "1.0")),
         help="seconds between two status writes of one InferenceCluster",
     )
+    p.add_argument(
+        "--resync-interval",
+        type=float,
+        default=float(_env("RESYNC_INTERVAL", "600")),
+        help="seconds between re-applies of every cluster (repairs drift); 0 disables",
+    )
     return p
 
 
@@ -95,4 +102,5 @@ def parse(argv: list[str]) -> OperatorConfig:
         verbose=args.verbose,
         workers=max(1, args.workers),
         status_min_interval=max(0.0, args.status_min_interval),
+        resync_interval=max(0.0, args.resync_interval),
     )

@@ -100,9 +100,13 @@ class Store:
             alive = entry.exists and not entry.body_meta.get("deletionTimestamp")
             return entry.record, observed, dict(entry.status), alive
 
-    def keys(self) -> list[Key]:
+    def live_keys(self) -> list[Key]:
         with self._lock:
             return [k for k, e in self._entries.items() if e.exists]
+
+    def keys(self) -> list[Key]:
+        """The clusters that exist (the cache-status scraper iterates these)."""
+        return self.live_keys()
 
     def __len__(self) -> int:
         with self._lock:

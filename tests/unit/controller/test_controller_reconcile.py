@@ -82,6 +82,8 @@ def test_infeasible_spec_creates_nothing_and_says_why() -> None:
     assert "spec.engine" in planned["message"]
     assert rig.events and rig.events[0][:2] == ("Warning", "Infeasible")
     assert rig.status("too-big")["plan"]["verdict"] == "infeasible"
+    rig.reconciler.reconcile(body)  # a resync of the same spec: no second Event
+    assert len(rig.events) == 1
 
 
 def test_infeasible_update_leaves_existing_children_alone() -> None:
