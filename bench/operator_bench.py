@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 
     lc = acquire()
     workdir = Path(tempfile.mkdtemp(prefix="kvstrata-bench-operator-"))
-    inst = install_chart(lc)
+    inst = install_chart(lc, release="kvstrata-bench", namespace="kvstrata-bench")
     op = None
     try:
         op = run_operator(inst, workdir)

@@ -106,7 +106,8 @@ def operator_env_fixture(
     local_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> Iterator[OperatorEnv]:
     """A module may set OPERATOR_ARGS = [...] for extra `kvstrata operator` flags."""
-    inst = install_chart(local_cluster)
+    # Its own release and namespace: a demo or e2e run sharing the cluster keeps its own release.
+    inst = install_chart(local_cluster, release="kvstrata-it", namespace="kvstrata-it")
     op: OperatorProcess | None = None
     try:
         extra = list(getattr(request.module, "OPERATOR_ARGS", []))

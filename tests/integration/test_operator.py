@@ -45,7 +45,7 @@ def test_operator_runs_with_the_charts_service_account(operator_env: OperatorEnv
     assert status["info"]["status"] == "deployed"
     who = env.lc.kubectl("auth", "whoami", "-o", "json", f"--kubeconfig={env.op.kubeconfig}")
     user = json.loads(who.stdout)["status"]["userInfo"]["username"]
-    assert user == f"system:serviceaccount:{env.inst.namespace}:kvstrata-operator"
+    assert user == f"system:serviceaccount:{env.inst.namespace}:{env.inst.service_account}"
     # The SA really is limited: it cannot read Secrets, which the operator never needs.
     denied = env.lc.kubectl(
         "get", "secrets", "-n", env.inst.namespace, f"--kubeconfig={env.op.kubeconfig}", check=False

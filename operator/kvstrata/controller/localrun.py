@@ -38,7 +38,6 @@ CHART = REPO / "charts" / "kvstrata"
 CRD_NAME = "inferenceclusters.kvstrata.io"
 RELEASE = "kvstrata"
 NAMESPACE = "kvstrata-system"
-SERVICE_ACCOUNT = "kvstrata-operator"
 
 
 @dataclass
@@ -50,7 +49,12 @@ class Install:
 
     @property
     def fullname(self) -> str:
-        return self.release if "kvstrata" in self.release else f"{self.release}-kvstrata"
+        """The chart's `kvstrata.fullname` (names of its objects)."""
+        return self.release[:40] if "kvstrata" in self.release else f"{self.release}-kvstrata"[:40]
+
+    @property
+    def service_account(self) -> str:
+        return f"{self.fullname}-operator"
 
 
 def _adopt_crd(lc: LocalCluster, release: str, namespace: str) -> None:
@@ -136,8 +140,9 @@ def operator_pod_ip(inst: Install, timeout: float = 60) -> str:
     return inst.lc.wait_for("the operator pod's IP", ip, timeout=timeout)
 
 
-def service_account_kubeconfig(inst: Install, path: Path, sa: str = SERVICE_ACCOUNT) -> Path:
+def service_account_kubeconfig(inst: Install, path: Path) -> Path:
     """A kubeconfig that authenticates as the chart's ServiceAccount (a bound token, 6 h)."""
+    sa = inst.service_account
     token = inst.lc.kubectl("create", "token", sa, "-n", inst.namespace, "--duration=6h").stdout.strip()
     ca = Layout(inst.lc.state_dir).pki.ca_crt.read_bytes()
     config = {
