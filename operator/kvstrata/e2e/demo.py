@@ -165,6 +165,11 @@ def up(args: argparse.Namespace) -> int:
 
     say("local control plane: building on first use, else reusing (kvstrata cluster up)")
     lc = acquire()
+    from kvstrata.localcluster.session import FIXTURE_MARK
+
+    with contextlib.suppress(OSError):
+        if (Path(lc.state_dir) / FIXTURE_MARK).read_text().strip() == str(os.getpid()):
+            (state / "started-cluster").write_text(str(lc.state_dir))
     stack = Stack(
         lc,
         args.namespace,
@@ -253,6 +258,7 @@ def up(args: argparse.Namespace) -> int:
         lc.kubectl("delete", "namespace", args.namespace, "--wait=false", "--ignore-not-found", check=False)
         if release(lc):
             say("stopped the local control plane (the demo had started it)")
+            (state / "started-cluster").unlink(missing_ok=True)
         (state / "demo.pid").unlink(missing_ok=True)
 
 
@@ -279,16 +285,18 @@ def down(_: argparse.Namespace) -> int:
     stopped = stop_recorded(state)
     if stopped:
         say(f"stopped leftovers: {', '.join(stopped)}")
-    layout = Layout(versions.default_state_dir().resolve())
-    from kvstrata.localcluster.session import FIXTURE_MARK
+    # The control plane only if this demo started it (a crashed `up` could not stop it) and nobody else
+    # (a test session) uses it.
+    marker = state / "started-cluster"
+    if marker.exists():
+        layout = Layout(Path(marker.read_text().strip()))
+        from kvstrata.localcluster.session import FIXTURE_MARK, _live_users
 
-    if (layout.root / FIXTURE_MARK).exists() and cluster.status(layout).any_up:
-        from kvstrata.localcluster.session import _live_users
-
-        if not _live_users(layout):
+        if cluster.status(layout).any_up and not _live_users(layout):
             cluster.down(layout)
             (layout.root / FIXTURE_MARK).unlink(missing_ok=True)
             say("stopped the local control plane")
+        marker.unlink(missing_ok=True)
     say("demo is down")
     return 0
 
