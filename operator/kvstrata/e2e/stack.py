@@ -29,11 +29,9 @@ from kvstrata.controller.localrun import (
     Install,
     OperatorProcess,
     install_chart,
-    operator_pod_ip,
-    service_account_kubeconfig,
+    run_operator,
     uninstall_chart,
     wait_webhook_serving,
-    webhook_cert_dir,
 )
 from kvstrata.controller.promtext import parse_engine
 from kvstrata.localcluster.session import LocalCluster
@@ -179,12 +177,6 @@ class Stack:
         self.install: Install | None = None
         self.operator: OperatorProcess | None = None
 
-    @property
-    def service_account(self) -> str:
-        """The chart's default: <fullname>-operator."""
-        fullname = self.release if "kvstrata" in self.release else f"{self.release}-kvstrata"
-        return f"{fullname[:40].rstrip('-')}-operator"
-
     # --- processes ---------------------------------------------------------------------------
     def _record(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -226,20 +218,9 @@ class Stack:
         previous = os.environ.get("KVSTRATA_CACHE_STATUS_INTERVAL")
         os.environ["KVSTRATA_CACHE_STATUS_INTERVAL"] = str(self.status_interval)
         try:
-            workdir = self.state_dir / "operator"
-            workdir.mkdir(parents=True, exist_ok=True)
-            # As localrun.run_operator, with the ServiceAccount named after this release.
-            self.operator = OperatorProcess(
-                inst=self.install,
-                pod_ip=operator_pod_ip(self.install),
-                kubeconfig=service_account_kubeconfig(
-                    self.install, workdir / "kubeconfig", sa=self.service_account
-                ),
-                cert_dir=webhook_cert_dir(self.install, workdir / "webhook-tls"),
-                log_path=workdir / "operator.log",
-                extra_args=["--namespace", self.namespace],
+            self.operator = run_operator(
+                self.install, self.state_dir / "operator", extra_args=["--namespace", self.namespace]
             )
-            self.operator.start()
         finally:
             if previous is None:
                 os.environ.pop("KVSTRATA_CACHE_STATUS_INTERVAL", None)
@@ -248,7 +229,7 @@ class Stack:
         self._record()
         wait_webhook_serving(self.lc, self.namespace)
         self.log(
-            f"operator running as ServiceAccount {self.release_namespace}/{self.service_account} on "
+            f"operator running as ServiceAccount {self.release_namespace}/{self.install.service_account} on "
             f"{self.operator.pod_ip} (pid {self.operator.pid}), log {self.operator.log_path}"
         )
 
