@@ -15,22 +15,8 @@ import pytest
 from kvstrata.planner.arch import architecture_from_hf_config
 from kvstrata.planner.catalog import CATALOG
 from kvstrata.planner.kv import kv_bytes_per_token, layer_bytes_per_token
+from kvstrata.testing.hfconfig import hf_config_for_vllm
 from kvstrata.testing.vllm_probe_client import kv_spec_case, vllm_kv_specs
-
-# The catalog keeps only the keys the planner reads; vLLM also needs the architecture class to pick
-# its model implementation (MLA detection depends on it).
-ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "gemma2": "Gemma2ForCausalLM",
-    "deepseek_v3": "DeepseekV3ForCausalLM",
-    "deepseek_v2": "DeepseekV2ForCausalLM",
-}
-PLANNER_ONLY_KEYS = ("params_billions", "weight_bytes_per_param")
 
 # Configs the catalog does not cover: plain MHA (the tiny test model's shape) and a Mistral-7B-v0.1-style
 # model where every layer slides (no layer_types), the case vLLM handles through CacheConfig.
@@ -64,11 +50,7 @@ BLOCK_SIZE = 16
 
 
 def hf_config(model_id: str) -> dict[str, Any]:
-    entry = CATALOG.get(model_id) or EXTRA_CONFIGS[model_id]
-    cfg = {k: v for k, v in entry.items() if k not in PLANNER_ONLY_KEYS}
-    cfg["architectures"] = [ARCHITECTURES[cfg["model_type"]]]
-    cfg["torch_dtype"] = "bfloat16"
-    return cfg
+    return hf_config_for_vllm(CATALOG.get(model_id) or EXTRA_CONFIGS[model_id])
 
 
 MODELS = sorted(CATALOG) + sorted(EXTRA_CONFIGS)

@@ -11,6 +11,10 @@ Operations (``{"op": ..., ...}`` on stdin):
              total on one TP rank, from vLLM's own ``ModelConfig`` (head counts, head size, MLA, layers,
              sliding windows) and its KV-cache spec classes (``FullAttentionSpec``, ``SlidingWindowSpec``,
              ``MLAAttentionSpec``: ``page_size_bytes / block_size``).
+``kv-capacity`` ``{"cases": [{...kv-spec case..., "max_model_len": L, "available_bytes": N,
+             "num_gpu_blocks_override": null, "max_num_batched_tokens": 2048, "async_scheduling": false}]}`` → vLLM's own pool sizing for N bytes of KV memory on one
+             rank (``get_kv_cache_configs``): blocks, the logged capacity and concurrency, or its start-up
+             refusal with the estimated maximum model length.
 ``parse-args`` ``{"argvs": [[flag, ...], ...], "from_cli_args": true}`` → per argv whether vLLM's own
              server parser accepts it, with its error message when not.
 
@@ -21,9 +25,11 @@ VLLM_TARGET_DEVICE=cpu ~/.cache/kvstrata/vllm-0.32.0/bin/python operator/kvstrat
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import json
 import os
+import re
 import sys
 import tempfile
 import traceback
@@ -72,16 +78,54 @@ def _layer_windows(model_config: Any, num_layers: int) -> list[int | None]:
     return [window if t == "sliding_attention" else None for t in layer_types[:num_layers]]
 
 
-def kv_spec_case(case: dict[str, Any]) -> dict[str, Any]:
-    import torch
-    from vllm.config import ParallelConfig
-    from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype, resolve_kv_cache_dtype_string
+def _layer_specs(mc: Any, pc: Any, kv_dtype_str: str, block_size: int) -> list[Any]:
+    """One KV-cache spec per attention layer on one rank, built as vLLM's attention layers build them."""
+    from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         MLAAttentionSpec,
         SlidingWindowSpec,
         get_kv_quant_mode,
     )
+
+    kv_dtype = kv_cache_dtype_str_to_dtype(kv_dtype_str, mc)
+    num_layers = mc.get_num_layers_by_block_type(pc, "attention")
+    quant_mode = get_kv_quant_mode(kv_dtype_str)
+    if mc.use_mla:
+        # As MLAAttention.get_kv_cache_spec (layers/attention/mla_attention.py) builds it.
+        spec = MLAAttentionSpec(
+            block_size=block_size,
+            num_kv_heads=1,
+            max_tp_shards=1,
+            head_size=mc.get_head_size(),
+            dtype=kv_dtype,
+            cache_dtype_str=kv_dtype_str,
+            kv_quant_mode=quant_mode,
+            state_content_bytes={"fp8_ds_mla": 656, "nvfp4_ds_mla": 352}.get(kv_dtype_str),
+        )
+        return [spec] * num_layers
+    # As Attention.get_kv_cache_spec (layers/attention/attention.py) builds it. The engine gives
+    # sliding-window layers their own block size; the bytes per token do not depend on it.
+    specs = []
+    for window in _layer_windows(mc, num_layers):
+        common = dict(
+            block_size=block_size,
+            num_kv_heads=mc.get_num_kv_heads(pc),
+            head_size=mc.get_head_size(),
+            dtype=kv_dtype,
+            kv_quant_mode=quant_mode,
+        )
+        if window is None:
+            specs.append(FullAttentionSpec(**common))
+        else:
+            specs.append(SlidingWindowSpec(**common, sliding_window=window))
+    return specs
+
+
+def kv_spec_case(case: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    from vllm.config import ParallelConfig
+    from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype, resolve_kv_cache_dtype_string
 
     block_size = int(case.get("block_size", 16))
     tp = int(case.get("tensor_parallel", 1))
@@ -92,37 +136,7 @@ def kv_spec_case(case: dict[str, Any]) -> dict[str, Any]:
     num_layers = mc.get_num_layers_by_block_type(pc, "attention")
     head_size = mc.get_head_size()
     num_kv_heads = mc.get_num_kv_heads(pc)
-    quant_mode = get_kv_quant_mode(kv_dtype_str)
-
-    specs = []
-    if mc.use_mla:
-        # As MLAAttention.get_kv_cache_spec (layers/attention/mla_attention.py) builds it.
-        spec = MLAAttentionSpec(
-            block_size=block_size,
-            num_kv_heads=1,
-            max_tp_shards=1,
-            head_size=head_size,
-            dtype=kv_dtype,
-            cache_dtype_str=kv_dtype_str,
-            kv_quant_mode=quant_mode,
-            state_content_bytes={"fp8_ds_mla": 656, "nvfp4_ds_mla": 352}.get(kv_dtype_str),
-        )
-        specs = [spec] * num_layers
-    else:
-        # As Attention.get_kv_cache_spec (layers/attention/attention.py) builds it. The engine gives
-        # sliding-window layers their own block size; the bytes per token do not depend on it.
-        for window in _layer_windows(mc, num_layers):
-            common = dict(
-                block_size=block_size,
-                num_kv_heads=num_kv_heads,
-                head_size=head_size,
-                dtype=kv_dtype,
-                kv_quant_mode=quant_mode,
-            )
-            if window is None:
-                specs.append(FullAttentionSpec(**common))
-            else:
-                specs.append(SlidingWindowSpec(**common, sliding_window=window))
+    specs = _layer_specs(mc, pc, kv_dtype_str, block_size)
     per_layer = []
     for spec in specs:
         if spec.page_size_bytes % block_size:
@@ -155,6 +169,81 @@ def op_kv_spec(req: dict[str, Any]) -> dict[str, Any]:
     for case in req["cases"]:
         try:
             results.append({"ok": True, **kv_spec_case(case)})
+        except Exception as exc:
+            results.append({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+    return {"results": results}
+
+
+# ---------------------------------------------------------------------------------------------------
+# kv-capacity
+
+_REFUSAL_ESTIMATE = re.compile(r"the estimated maximum model length is (\d+)")
+
+
+def kv_capacity_case(case: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's own pool sizing for a given KV memory: get_kv_cache_configs, as the engine core runs it
+    after the workers report their available memory (v1/core/kv_cache_utils.py). Either the block count
+    and the logged capacity, or vLLM's start-up refusal with its estimated maximum model length."""
+    from vllm.config import CacheConfig, ParallelConfig, SchedulerConfig, VllmConfig
+    from vllm.utils.torch_utils import resolve_kv_cache_dtype_string
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity, get_kv_cache_configs
+
+    block_size = int(case.get("block_size", 16))
+    tp = int(case.get("tensor_parallel", 1))
+    mc = copy.deepcopy(_model_config(case["config"], str(case.get("dtype", "auto"))))
+    if case.get("max_model_len"):
+        mc.max_model_len = int(case["max_model_len"])
+    pc = ParallelConfig(tensor_parallel_size=tp)
+    kv_dtype_str = resolve_kv_cache_dtype_string(str(case.get("kv_cache_dtype", "auto")), mc)
+    cc = CacheConfig(
+        block_size=block_size,
+        cache_dtype=kv_dtype_str,
+        num_gpu_blocks_override=case.get("num_gpu_blocks_override"),
+    )
+    # The engine core resolves the layout from the attention backends; a layer-outer layout (the GPU
+    # default, NHD) adds no per-block padding for uniform full-attention or MLA layers.
+    cc.kv_cache_layout = "LBNHC"
+    # Sliding-window layers reserve the window plus every in-flight token (max_concurrent_batches x
+    # max_num_batched_tokens, VllmConfig.max_in_flight_tokens), so both are inputs here.
+    sched = SchedulerConfig(
+        max_model_len=mc.max_model_len,
+        is_encoder_decoder=False,
+        max_num_batched_tokens=int(
+            case.get("max_num_batched_tokens") or SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS
+        ),
+        async_scheduling=bool(case.get("async_scheduling", False)),
+    )
+    vllm_config = VllmConfig(model_config=mc, parallel_config=pc, cache_config=cc, scheduler_config=sched)
+    specs = _layer_specs(mc, pc, kv_dtype_str, block_size)
+    spec_by_layer = {f"model.layers.{i}.self_attn.attn": spec for i, spec in enumerate(specs)}
+    try:
+        (kv_config,) = get_kv_cache_configs(vllm_config, [spec_by_layer], [int(case["available_bytes"])])
+    except ValueError as exc:
+        estimate = _REFUSAL_ESTIMATE.search(str(exc))
+        return {
+            "refused": True,
+            "error": str(exc),
+            "estimated_max_model_len": int(estimate.group(1)) if estimate else 0,
+            "max_model_len": mc.max_model_len,
+        }
+    tokens, concurrency = get_kv_cache_capacity(vllm_config, kv_config)
+    return {
+        "refused": False,
+        "num_blocks": kv_config.num_blocks,
+        "kv_cache_size_tokens": tokens,
+        "max_concurrency": concurrency,
+        "max_model_len": mc.max_model_len,
+        "block_size": block_size,
+        "max_in_flight_tokens": vllm_config.max_in_flight_tokens,
+        "num_groups": len(kv_config.kv_cache_groups),
+    }
+
+
+def op_kv_capacity(req: dict[str, Any]) -> dict[str, Any]:
+    results = []
+    for case in req["cases"]:
+        try:
+            results.append({"ok": True, **kv_capacity_case(case)})
         except Exception as exc:
             results.append({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
     return {"results": results}
@@ -207,7 +296,7 @@ def op_parse_args(req: dict[str, Any]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------------
 
-OPS = {"kv-spec": op_kv_spec, "parse-args": op_parse_args}
+OPS = {"kv-spec": op_kv_spec, "kv-capacity": op_kv_capacity, "parse-args": op_parse_args}
 
 
 def main() -> int:

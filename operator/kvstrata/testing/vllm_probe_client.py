@@ -80,6 +80,16 @@ def vllm_kv_spec(
     return result
 
 
+def vllm_kv_capacities(cases: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """vLLM's own pool sizing per case: a :func:`kv_spec_case` plus ``max_model_len``,
+    ``available_bytes`` (KV memory of one rank) and optionally ``num_gpu_blocks_override``.
+
+    Each result has ``refused``; when False ``num_blocks``, ``kv_cache_size_tokens`` and
+    ``max_concurrency`` (the figures vLLM logs), when True ``estimated_max_model_len`` and ``error``
+    (vLLM's start-up message)."""
+    return run_probe({"op": "kv-capacity", "cases": [dict(c) for c in cases]})["results"]
+
+
 def vllm_parse_args(
     argvs: Sequence[Sequence[str]], *, server: bool = True, from_cli_args: bool = True
 ) -> list[tuple[bool, str]]:
