@@ -187,7 +187,7 @@ def test_deleted_children_come_back(operator_env: OperatorEnv) -> None:
 
 def test_gpu_example_llama_8b(operator_env: OperatorEnv) -> None:
     env = operator_env
-    env.apply(example("llama-8b-single-gpu.yaml"))
+    env.lc.kubectl("apply", "-n", env.ns, "-f", str(EXAMPLES / "llama-8b-single-gpu.yaml"))
     obj = env.wait_ready("llama-8b")
     assert obj["status"]["ready"] == "3/3"
     sts = env.get("statefulset", "llama-8b-engine")
@@ -199,10 +199,9 @@ def test_gpu_example_llama_8b(operator_env: OperatorEnv) -> None:
 
 def test_gpu_example_with_nvme_tier_gets_bound_volumes(operator_env: OperatorEnv) -> None:
     env = operator_env
-    doc = example("llama-70b-h100-tiered.yaml")
     # As shipped, the example names StorageClass nvme-local, which this cluster lacks: the webhook warns
     # and the claims stay Pending, which status must say.
-    out = env.apply(doc)
+    out = env.lc.kubectl("apply", "-n", env.ns, "-f", str(EXAMPLES / "llama-70b-h100-tiered.yaml"))
     assert "nvme-local" in out.stderr  # kubectl prints admission warnings on stderr
     obj = env.wait_condition("llama-70b", "CacheVolumesBound", "False", "Pending")
     assert condition(obj, "Ready")["reason"] == "CacheVolumesPending"
