@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import sys
 import tempfile
 import time
@@ -25,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from bench.report import fmt, machine, mean, percentile, table, write_json
+from bench.report import fmt, group_cpu_seconds, machine, mean, percentile, table, write_json
 from kvstrata.controller.kube import Kube
 from kvstrata.controller.localrun import (
     ensure_model_claim,
@@ -34,6 +35,8 @@ from kvstrata.controller.localrun import (
     uninstall_chart,
     wait_webhook_serving,
 )
+from kvstrata.localcluster import procs
+from kvstrata.localcluster.layout import Layout
 from kvstrata.localcluster.session import acquire, fresh_namespace, release
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny-cpu.yaml"
@@ -100,6 +103,16 @@ def rss_kib(pid: int) -> dict[str, int]:
     return out
 
 
+def cpu_seconds(operator_pid: int, lc: Any) -> dict[str, float]:
+    """CPU seconds so far of the operator's and kube-apiserver's process groups (both lead their own)."""
+    layout = Layout(lc.state_dir)
+    apiserver = procs.alive_pid(layout, "kube-apiserver") or 0
+    return {
+        "operator": group_cpu_seconds(operator_pid),
+        "kube-apiserver": group_cpu_seconds(apiserver) if apiserver else 0.0,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.operator_bench", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path(".bench/operator.json"))
@@ -120,7 +133,11 @@ def main(argv: list[str] | None = None) -> int:
             wait_webhook_serving(lc, ns)
             rss_idle = rss_kib(op.pid or 0)
             one = create_and_time(kube, ns, ["one"], args.timeout)
+            # CPU seconds spent during the burst by the operator and by kube-apiserver: who is the bottleneck
+            cpu_before = cpu_seconds(op.pid or 0, lc)
             burst = create_and_time(kube, ns, [f"b{i:03d}" for i in range(args.burst)], args.timeout)
+            cpu_after = cpu_seconds(op.pid or 0, lc)
+            burst["cpu_s"] = {k: round(cpu_after[k] - cpu_before[k], 1) for k in cpu_before}
             rest = max(0, args.total - args.burst - 1)
             fill = (
                 create_and_time(kube, ns, [f"f{i:03d}" for i in range(rest)], args.timeout) if rest else None
@@ -154,6 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     ]
     print(table(["scenario", "all Ready (s)", "p50 (s)", "p95 (s)", "operator RSS"], rows))
     print(f"operator RSS before any InferenceCluster: {rss_idle['VmRSS'] / 1024:.0f} MiB")
+    cpu = burst["cpu_s"]
+    print(
+        f"CPU seconds during the burst of {args.burst}: operator {cpu['operator']}, kube-apiserver "
+        f"{cpu['kube-apiserver']} (wall {burst['all_ready_s']} s on {os.cpu_count()} cores; load average "
+        f"{os.getloadavg()[0]:.1f})"
+    )
     payload = {
         "machine": machine(),
         "one": one,
