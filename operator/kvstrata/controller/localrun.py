@@ -214,7 +214,11 @@ class OperatorProcess:
             self.proc = subprocess.Popen(
                 self.argv(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
-        self.wait_ready(ready_timeout)
+        try:
+            self.wait_ready(ready_timeout)
+        except BaseException:
+            self.stop(signal.SIGKILL)  # never leave a half-started operator behind
+            raise
 
     def healthy(self) -> bool:
         try:
