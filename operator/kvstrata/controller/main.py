@@ -21,12 +21,18 @@ def _fail(message: str) -> int:
 
 class _QuietWatchHandlers(logging.Filter):
     """kopf logs every watch-event handler call at INFO; for the status feeders that is one line per pod
-    change. Their failures still get through."""
+    change (their failures still get through). And kopf logs each admission refusal as an ERROR."""
 
     NOISE = re.compile(r"^Handler '[a-z]+-status' succeeded\.$")
 
+    # A refused manifest is the user's mistake, reported to kubectl: not an operator error.
+    DENIAL = re.compile(r"^Webhook '[a-z-]+' failed permanently: ")
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return self.verbose or not self.NOISE.match(record.getMessage())
+        message = record.getMessage()
+        if record.levelno == logging.ERROR and self.DENIAL.match(message):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return self.verbose or not self.NOISE.match(message)
 
     def __init__(self, verbose: bool) -> None:
         super().__init__()
