@@ -79,19 +79,22 @@ def test_tokens_in_counts_whole_blocks_only() -> None:
 def test_sliding_window_layers_only_pin_the_window() -> None:
     a = arch("google/gemma-2-9b-it")  # 42 layers, 21 of them sliding with a 4096 window
     layer = kv_bytes_per_token(a) // a.num_layers
-    full = sequence_bytes(a, 8192, layer, 16)
+    in_flight = 2048
+    full = sequence_bytes(a, 8192, layer, 16, in_flight)
     assert a.sliding_window_layers == 21
     assert full < 8192 * kv_bytes_per_token(a)
-    assert full == 21 * 8192 * layer + 21 * (4096 + 16) * layer
+    # Sliding layers keep window - 1 + in-flight tokens (capped at the sequence), plus one block.
+    sliding_blocks = -(-min(4096 - 1 + in_flight, 8192) // 16) + 1
+    assert full == 21 * 8192 * layer + 21 * sliding_blocks * 16 * layer
 
 
 def test_longest_sequence_is_the_largest_that_fits() -> None:
     a = arch("meta-llama/Llama-3.1-8B")
     layer = 131_072 // 32
     pool = 10 * GIB
-    longest = longest_sequence(a, pool, layer, 16, 131_072)
-    assert sequence_bytes(a, longest, layer, 16) <= pool
-    assert sequence_bytes(a, longest + 16, layer, 16) > pool
+    longest = longest_sequence(a, pool, layer, 16, 131_072, 8192)
+    assert sequence_bytes(a, longest, layer, 16, 8192) <= pool
+    assert sequence_bytes(a, longest + 16, layer, 16, 8192) > pool
 
 
 def test_config_json_without_head_dim_uses_hidden_over_heads() -> None:

@@ -51,7 +51,9 @@ def pool_bytes(bytes_per_token: int, max_len: int, pool: str) -> int:
     }[pool]
 
 
-def manifest(model_id: str, tp: int, kv_dtype: str, max_len: int, pool: int) -> dict[str, Any]:
+def manifest(
+    model_id: str, tp: int, kv_dtype: str, max_len: int, pool: int, batched: int, async_sched: bool
+) -> dict[str, Any]:
     return {
         "apiVersion": "kvstrata.io/v1alpha1",
         "kind": "InferenceCluster",
@@ -65,6 +67,8 @@ def manifest(model_id: str, tp: int, kv_dtype: str, max_len: int, pool: int) -> 
                 "tensorParallelSize": tp,
                 "maxModelLen": max_len,
                 "maxNumSeqs": 1,
+                "maxNumBatchedTokens": batched,
+                "asyncScheduling": async_sched,
             },
             "kvCache": {"dtype": kv_dtype, "blockSize": BLOCK, "tiers": {"gpu": {"size": str(pool)}}},
         },
@@ -111,8 +115,8 @@ def vllm_capacity() -> dict[tuple[Any, ...], dict[str, Any]]:
     return dict(zip(CASES, vllm_kv_capacities(cases), strict=True))
 
 
-def _plan(model_id: str, tp: int, kv: str, max_len: int, pool: str) -> Plan:
-    doc = manifest(model_id, tp, kv, max_len, _pool(model_id, tp, kv, max_len, pool))
+def _plan(model_id: str, tp: int, kv: str, max_len: int, pool: str, sched: str) -> Plan:
+    doc = manifest(model_id, tp, kv, max_len, _pool(model_id, tp, kv, max_len, pool), *SCHEDULING[sched])
     return plan(InferenceCluster.model_validate(doc).spec)
 
 
@@ -127,7 +131,7 @@ def test_planner_sizes_the_pool_as_vllm(
     sched: str,
 ) -> None:
     got = vllm_capacity[(model_id, tp, kv, max_len, pool, sched)]
-    p = _plan(model_id, tp, kv, max_len, pool)
+    p = _plan(model_id, tp, kv, max_len, pool, sched)
     if not got["ok"]:
         # vLLM rejects the configuration itself (e.g. TP not dividing the attention heads).
         assert not p.feasible, f"vLLM rejects it ({got['error'][:200]}) but the plan says: {p.summary()}"

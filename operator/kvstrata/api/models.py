@@ -167,6 +167,16 @@ class EngineSpec(Wire):
     tensor_parallel_size: int = Field(1, ge=1, le=16, description="GPUs per pod (tensor parallel ranks)")
     max_model_len: int = Field(8192, ge=64, le=10_485_760, description="Longest sequence (prompt + output)")
     max_num_seqs: int = Field(256, ge=1, le=65536, description="Concurrent sequences per engine")
+    max_num_batched_tokens: int | None = Field(
+        None,
+        ge=64,
+        le=1_048_576,
+        description="Tokens per scheduler step (--max-num-batched-tokens); default 8192 on gpu, 2048 on cpu. "
+        "Pinned so sizing does not depend on vLLM's hardware-dependent default",
+    )
+    async_scheduling: bool = Field(
+        True, description="gpu: overlap scheduling with execution (two batches in flight); vLLM's default"
+    )
     port: int = Field(8000, ge=1, le=65535)
     extra_args: list[str] = Field(default_factory=list, max_length=64, description="Appended to vLLM's flags")
     env: list[EnvVar] = Field(default_factory=list, max_length=64)

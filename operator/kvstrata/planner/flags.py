@@ -97,10 +97,12 @@ def engine_args(spec: InferenceClusterSpec, plan: Plan) -> list[str]:
         # Lets the router compare its predicted cached tokens with what the engine really reused.
         "--enable-prompt-tokens-details",
     ]
+    args += ["--max-num-batched-tokens", str(plan.max_num_batched_tokens)]
     if model.load_format != "auto":
         args += ["--load-format", model.load_format]
     if eng.device == "gpu":
         args += ["--tensor-parallel-size", str(eng.tensor_parallel_size)]
+        args.append("--async-scheduling" if eng.async_scheduling else "--no-async-scheduling")
         if kv.tiers.gpu.size is not None:
             args += ["--kv-cache-memory-bytes", str(quantity_bytes(kv.tiers.gpu.size))]
         else:

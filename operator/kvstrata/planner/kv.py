@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kvstrata.planner.arch import Architecture
 
 _DTYPE_BYTES = {
@@ -59,28 +61,76 @@ def tokens_in(nbytes: int, bytes_per_token: int, block_size: int) -> int:
     return (nbytes // (bytes_per_token * block_size)) * block_size
 
 
-def sequence_bytes(arch: Architecture, seq_len: int, layer_bytes: int, block_size: int) -> int:
-    """KV bytes one sequence of `seq_len` tokens pins on one rank; sliding-window layers keep only the window."""
-    blocks_full = -(-seq_len // block_size)
-    sliding = arch.sliding_window_layers if arch.sliding_window else 0
-    full_layers = arch.num_layers - sliding
-    total = full_layers * blocks_full * block_size * layer_bytes
+@dataclass(frozen=True)
+class PoolLayout:
+    """How vLLM's hybrid allocator groups layers: one pool block holds `group_size` layers of one group."""
+
+    group_size: int
+    full_groups: int
+    sliding_groups: int
+
+    @property
+    def uniform(self) -> bool:
+        return self.full_groups + self.sliding_groups == 1
+
+
+def _sliding_layers(arch: Architecture) -> int:
+    return arch.sliding_window_layers if arch.sliding_window else 0
+
+
+def pool_layout(arch: Architecture) -> PoolLayout:
+    """vLLM 0.32 groups layers by attention type with the smaller type's count as group size, or the larger
+    count when the two are within 1.5x (kv_cache_utils.py, _get_kv_cache_groups_uniform_page_size)."""
+    sliding = _sliding_layers(arch)
+    full = arch.num_layers - sliding
+    buckets = [n for n in (full, sliding) if n]
+    size = min(buckets)
+    if max(buckets) < size * 1.5:
+        size = max(buckets)
+    return PoolLayout(size, -(-full // size) if full else 0, -(-sliding // size) if sliding else 0)
+
+
+def _full_blocks(seq_len: int, block_size: int) -> int:
+    return -(-seq_len // block_size)
+
+
+def _sliding_blocks(arch: Architecture, seq_len: int, block_size: int, in_flight: int) -> int:
+    """A sliding layer keeps the window and every in-flight token, plus one block for a window that does not
+    start on a block boundary (SlidingWindowSpec.max_admission_blocks_per_request)."""
+    assert arch.sliding_window is not None
+    return -(-min(arch.sliding_window - 1 + in_flight, seq_len) // block_size) + 1
+
+
+def blocks_per_request(arch: Architecture, seq_len: int, block_size: int, in_flight: int) -> int:
+    """Pool blocks one sequence of `seq_len` takes: the divisor of vLLM's 'Maximum concurrency'."""
+    layout = pool_layout(arch)
+    out = layout.full_groups * _full_blocks(seq_len, block_size)
+    if layout.sliding_groups:
+        out += layout.sliding_groups * _sliding_blocks(arch, seq_len, block_size, in_flight)
+    return out
+
+
+def sequence_bytes(
+    arch: Architecture, seq_len: int, layer_bytes: int, block_size: int, in_flight: int
+) -> int:
+    """KV bytes one sequence of `seq_len` pins on one rank, summed over layers (vLLM's max_memory_usage_bytes)."""
+    sliding = _sliding_layers(arch)
+    full = arch.num_layers - sliding
+    page = block_size * layer_bytes
+    total = full * _full_blocks(seq_len, block_size) * page
     if sliding:
-        assert arch.sliding_window is not None
-        # vLLM keeps the window plus the block being written for sliding layers.
-        window_blocks = min(blocks_full, -(-arch.sliding_window // block_size) + 1)
-        total += sliding * window_blocks * block_size * layer_bytes
+        total += sliding * _sliding_blocks(arch, seq_len, block_size, in_flight) * page
     return total
 
 
 def longest_sequence(
-    arch: Architecture, pool_bytes: int, layer_bytes: int, block_size: int, limit: int
+    arch: Architecture, pool_bytes: int, layer_bytes: int, block_size: int, limit: int, in_flight: int
 ) -> int:
     """Largest seq_len (multiple of block_size, ≤ limit) whose KV fits in pool_bytes: what vLLM suggests."""
     lo, hi = 0, limit // block_size
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if sequence_bytes(arch, mid * block_size, layer_bytes, block_size) <= pool_bytes:
+        if sequence_bytes(arch, mid * block_size, layer_bytes, block_size, in_flight) <= pool_bytes:
             lo = mid
         else:
             hi = mid - 1

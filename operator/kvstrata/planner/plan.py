@@ -19,9 +19,11 @@ from kvstrata.planner import flags
 from kvstrata.planner.arch import Architecture, UnknownModel, resolve_architecture
 from kvstrata.planner.constants import LMCACHE_PORT, NVME_MOUNT
 from kvstrata.planner.kv import (
+    blocks_per_request,
     kv_bytes_per_token,
     layer_bytes_per_token,
     longest_sequence,
+    pool_layout,
     sequence_bytes,
     tokens_in,
 )
@@ -29,6 +31,7 @@ from kvstrata.planner.kv import (
 Verdict = Literal["fits", "fits-with-offload", "infeasible"]
 
 DEFAULT_BLOCK_SIZE = {"gpu": 16, "cpu": 128}
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"gpu": 8192, "cpu": 2048}
 # Memory vLLM needs beside weights and KV on each GPU: CUDA context, NCCL, activations at the default
 # batch, sampler. vLLM measures the real figure at start; the planner reserves a conservative estimate.
 ACTIVATION_RESERVE_FLOOR = 2 * GIB
@@ -76,6 +79,7 @@ class Plan:
     verdict: Verdict
     architecture: Architecture | None
     block_size: int
+    max_num_batched_tokens: int = 0
     kv_bytes_per_token: int = 0  # all layers, all TP ranks
     kv_bytes_per_token_per_rank: int = 0
     tiers: list[Tier] = field(default_factory=list)
@@ -352,42 +356,45 @@ def plan(spec: InferenceClusterSpec, *, suggest_fixes: bool = True) -> Plan:
             verdict="infeasible", architecture=None, block_size=block, problems=[Problem(*_split(err))]
         )
     out = Plan(verdict="fits", architecture=arch, block_size=block)
+    out.max_num_batched_tokens = eng.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS[eng.device]
     out.problems += _structural_problems(spec, arch)
     tp = eng.tensor_parallel_size if eng.device == "gpu" else 1
     layer_bytes = layer_bytes_per_token(arch, kv.dtype, spec.model.dtype, tp)
     out.kv_bytes_per_token_per_rank = kv_bytes_per_token(arch, kv.dtype, spec.model.dtype, tp)
     out.kv_bytes_per_token = out.kv_bytes_per_token_per_rank * (1 if arch.attention == "mla" else tp)
-    pool = _engine_pool_bytes(spec, arch, out)
+    pool = max(_engine_pool_bytes(spec, arch, out), 0)
+    layout = pool_layout(arch)
+    # One pool block = block_size tokens of `group_size` layers (all layers unless the model mixes
+    # sliding-window and full attention).
+    block_bytes = layout.group_size * block * layer_bytes
+    num_blocks = pool // block_bytes
     if kv.tiers.gpu.num_blocks is not None:
-        capped = kv.tiers.gpu.num_blocks * block * out.kv_bytes_per_token_per_rank
-        if capped > pool:
+        if kv.tiers.gpu.num_blocks > num_blocks:
             out.problems.append(
                 Problem(
                     "spec.kvCache.tiers.gpu.numBlocks",
-                    f"{kv.tiers.gpu.num_blocks:,} blocks need {gib(capped)} but the engine pool has {gib(pool)}",
-                    (
-                        f"lower numBlocks to {pool // (block * out.kv_bytes_per_token_per_rank):,}",
-                        "or grow the pool",
-                    ),
+                    f"{kv.tiers.gpu.num_blocks:,} blocks need {gib(kv.tiers.gpu.num_blocks * block_bytes)} "
+                    f"but the engine pool has {gib(pool)}",
+                    (f"lower numBlocks to {num_blocks:,}", "or grow the pool"),
                 )
             )
-        pool = min(pool, capped)
-    pool = max(pool, 0)
-    out.tiers.append(_tier("gpu", pool, out.kv_bytes_per_token_per_rank, block))
-    out.sequence_bytes = sequence_bytes(arch, eng.max_model_len, layer_bytes, block)
-    gpu_tier = out.tiers[0]
-    block_bytes = block * out.kv_bytes_per_token_per_rank
-    # Concurrency counts every block (vLLM's "Maximum concurrency" does), but one max-length sequence must fit
-    # in the pool minus the null block that vLLM's BlockPool holds back (check_enough_kv_cache_memory).
-    out.max_concurrency = gpu_tier.blocks * block_bytes / out.sequence_bytes if out.sequence_bytes else 0.0
-    usable_pool = max(gpu_tier.blocks - 1, 0) * block_bytes
+        num_blocks = min(num_blocks, kv.tiers.gpu.num_blocks)
+        pool = num_blocks * block_bytes
+    in_flight = out.max_num_batched_tokens * (2 if eng.device == "gpu" and eng.async_scheduling else 1)
+    seq_blocks = blocks_per_request(arch, eng.max_model_len, block, in_flight)
+    out.max_concurrency = num_blocks / seq_blocks if seq_blocks else 0.0
+    tokens = num_blocks * block if layout.uniform else int(out.max_concurrency * eng.max_model_len)
+    out.tiers.append(Tier(name="gpu", bytes=pool, tokens=tokens, blocks=num_blocks))
+    out.sequence_bytes = sequence_bytes(arch, eng.max_model_len, layer_bytes, block, in_flight)
+    # One max-length sequence must fit in the pool minus the null block vLLM's BlockPool holds back
+    # (check_enough_kv_cache_memory), or vLLM refuses to start.
+    usable_pool = pool - block_bytes
     if pool > 0 and out.sequence_bytes > usable_pool:
         if suggest_fixes:
-            out.problems.append(_max_len_problem(spec, arch, out, layer_bytes, usable_pool))
+            problem = _max_len_problem(spec, arch, out, layer_bytes, usable_pool, in_flight)
         else:
-            out.problems.append(
-                Problem("spec.engine.maxModelLen", "one sequence does not fit the engine pool")
-            )
+            problem = Problem("spec.engine.maxModelLen", "one sequence does not fit the engine pool")
+        out.problems.append(problem)
     per_token_all_ranks = out.kv_bytes_per_token
     _offload(spec, out, per_token_all_ranks)
     if out.problems:
@@ -414,7 +421,7 @@ def _split(err: UnknownModel) -> tuple[str, str]:
 
 
 def _max_len_problem(
-    spec: InferenceClusterSpec, arch: Architecture, plan: Plan, layer_bytes: int, pool: int
+    spec: InferenceClusterSpec, arch: Architecture, plan: Plan, layer_bytes: int, pool: int, in_flight: int
 ) -> Problem:
     """vLLM's own start-up refusal, predicted, with fixes that each verifiably make the plan fit."""
     eng, kv = spec.engine, spec.kv_cache
@@ -452,7 +459,7 @@ def _max_len_problem(
         if plan_fits(_merged(spec, change)):
             fixes.append(text)
             taken.add(key)
-    longest = longest_sequence(arch, pool, layer_bytes, block, eng.max_model_len)
+    longest = longest_sequence(arch, pool, layer_bytes, block, eng.max_model_len, in_flight)
     if longest >= block:
         fixes.append(f"lower spec.engine.maxModelLen to {_fmt_int(longest)}")
     return Problem(
