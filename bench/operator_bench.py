@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if op is not None:
             op.stop()
-        uninstall_chart(inst)
+        uninstall_chart(inst, delete_namespace=True)
         release(lc)
 
     rows = [

@@ -127,5 +127,5 @@ def operator_env_fixture(
         if op is not None:
             op.stop()
             print(f"operator log: {op.log_path}")
-        uninstall_chart(inst)
+        uninstall_chart(inst, delete_namespace=True)
         time.sleep(0.1)

@@ -119,8 +119,13 @@ def install_chart(
     return Install(lc, release, namespace, ports)
 
 
-def uninstall_chart(inst: Install) -> None:
+def uninstall_chart(inst: Install, delete_namespace: bool = False) -> None:
+    """`helm uninstall` (the CRD stays: resource-policy keep); optionally the release's namespace too."""
     inst.lc.helm("uninstall", inst.release, "--namespace", inst.namespace, "--wait", check=False)
+    if delete_namespace:
+        inst.lc.kubectl(
+            "delete", "namespace", inst.namespace, "--wait=false", "--ignore-not-found", check=False
+        )
 
 
 def operator_pod_ip(inst: Install, timeout: float = 60) -> str:
