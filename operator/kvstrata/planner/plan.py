@@ -179,7 +179,9 @@ def _structural_problems(spec: InferenceClusterSpec, arch: Architecture) -> list
                 Problem(
                     "spec.kvCache.blockSize",
                     f"{block} is not a multiple of 32, which vLLM's CPU attention backend requires",
-                    (f"use {max(32, block // 32 * 32)} or {(block // 32 + 1) * 32}",),
+                    (
+                        f"use {', '.join(str(n) for n in sorted({max(32, block // 32 * 32), (block // 32 + 1) * 32}))}",
+                    ),
                 )
             )
         for name in ("cpu", "nvme"):
@@ -188,7 +190,7 @@ def _structural_problems(spec: InferenceClusterSpec, arch: Architecture) -> list
                     Problem(
                         f"spec.kvCache.tiers.{name}",
                         "device cpu cannot offload KV (vLLM 0.32: offloading is only supported on CUDA/XPU GPUs)",
-                        (f"remove spec.kvCache.tiers.{name}", "or use device gpu"),
+                        (f"remove spec.kvCache.tiers.{name}", "use device gpu"),
                     )
                 )
         if kv.tiers.gpu.size is not None and quantity_bytes(kv.tiers.gpu.size) % GIB:
@@ -216,7 +218,7 @@ def _structural_problems(spec: InferenceClusterSpec, arch: Architecture) -> list
             Problem(
                 "spec.kvCache.offload.backend",
                 "lmcache needs a cpu or nvme tier to offload to",
-                ("add spec.kvCache.tiers.cpu or .nvme", "or set backend auto"),
+                ("add spec.kvCache.tiers.cpu or .nvme", "set backend auto"),
             )
         )
     return out
@@ -241,7 +243,7 @@ def _engine_pool_bytes(spec: InferenceClusterSpec, arch: Architecture, plan: Pla
                     "spec.kvCache.tiers.gpu.size",
                     f"{gib(kv_bytes)} of KV plus {gib(plan.weights_bytes_per_rank)} of weights per GPU and "
                     f"{gib(reserve)} for activations exceed the GPU's {gib(gpu_mem)}",
-                    (f"set size to at most {max(0, room) // GIB}Gi", "or raise tensorParallelSize"),
+                    (f"set size to at most {max(0, room) // GIB}Gi", "raise spec.engine.tensorParallelSize"),
                 )
             )
         return kv_bytes
@@ -375,7 +377,7 @@ def plan(spec: InferenceClusterSpec, *, suggest_fixes: bool = True) -> Plan:
                     "spec.kvCache.tiers.gpu.numBlocks",
                     f"{kv.tiers.gpu.num_blocks:,} blocks need {gib(kv.tiers.gpu.num_blocks * block_bytes)} "
                     f"but the engine pool has {gib(pool)}",
-                    (f"lower numBlocks to {num_blocks:,}", "or grow the pool"),
+                    (f"lower numBlocks to {num_blocks:,}", "grow the pool (spec.kvCache.tiers.gpu.size)"),
                 )
             )
         num_blocks = min(num_blocks, kv.tiers.gpu.num_blocks)
