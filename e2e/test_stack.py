@@ -65,11 +65,12 @@ def _wait(what: str, predicate, timeout: float, interval: float = 1.0):
 
 
 def test_status_hit_rate_rises_and_matches_the_engines(stack: Stack) -> None:
-    before = stack.engine_counters()
+    mark = stack.cache_mark()
+    before = mark[1]
     result = _drive(stack, _requests(stack, seed=1))
     assert result.failed == 0, result.errors[:3]
 
-    ic, after = stack.wait_cache_caught_up()
+    ic, after = stack.wait_cache_caught_up(mark)
     cache = ic["status"]["cache"]
     engines_window = HitRates.of(after - before).hit_rate
     engines_total = HitRates.of(after).hit_rate
@@ -190,9 +191,10 @@ def test_tier_budget_edit_reaches_plan_flags_engines_and_status(stack: Stack) ->
     for pod, text in stack.engine_metrics().items():
         assert re.search(rf'vllm:cache_config_info\{{[^}}]*num_gpu_blocks="{blocks}"', text), pod
     # Status keeps working on the new engines.
+    mark = stack.cache_mark()
     result = _drive(stack, _requests(stack, seed=3, groups=2, per_group=4))
     assert result.failed == 0, result.errors[:3]
-    ic, _ = stack.wait_cache_caught_up()
+    ic, _ = stack.wait_cache_caught_up(mark)
     assert ic["status"]["cache"]["hitRate"] is not None
 
 

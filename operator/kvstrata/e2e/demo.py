@@ -208,11 +208,12 @@ def up(args: argparse.Namespace) -> int:
                 tokenizer_json=_tokenizer_json(stack),
             )
             say(f"ready after {ready_s:.0f}s; {len(reqs)} shared-prefix requests through the router at {url}")
+            mark = stack.cache_mark()
             result = asyncio.run(workload.run(url, model, reqs, concurrency=args.concurrency))
             if result.failed:
                 say(f"{result.failed} request(s) failed, e.g. {result.errors[0]}")
             say("waiting for the operator's next scrape of the engines' /metrics ...")
-            ic, _ = stack.wait_cache_caught_up()
+            ic, _ = stack.wait_cache_caught_up(mark)
             total_s = time.monotonic() - t0
             peak = max(mem.peak, mem.sample())
         print()

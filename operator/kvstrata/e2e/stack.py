@@ -354,19 +354,30 @@ class Stack:
             total = total + parse_engine(text).counters
         return total
 
-    def wait_cache_caught_up(self, timeout: float = 120) -> tuple[Obj, Counters]:
-        """Until status.cache counts every prompt token the engines counted, with a window hit rate."""
+    def cache_mark(self) -> tuple[int, Counters]:
+        """(status.cache.queriedTokens, the engines' own counters) now: the start of a span that
+        `wait_cache_caught_up` compares. The status total also keeps tokens of replaced pods, the engines'
+        counters do not, so only growth over the same span is comparable."""
+        cache = (self.ic().get("status") or {}).get("cache") or {}
+        return int(cache.get("queriedTokens") or 0), self.engine_counters()
+
+    def wait_cache_caught_up(self, mark: tuple[int, Counters], timeout: float = 120) -> tuple[Obj, Counters]:
+        """Until status.cache has counted every prompt token the engines counted since `mark`, with a
+        window hit rate. Returns the cluster and the engines' counters at that point."""
+        status_before, engines_before = mark
         deadline = time.monotonic() + timeout
         while True:
             engines = self.engine_counters()
+            grown = int(engines.queries - engines_before.queries)
             ic = self.ic()
             cache = (ic.get("status") or {}).get("cache") or {}
-            if cache.get("hitRate") is not None and cache.get("queriedTokens") == int(engines.queries):
+            counted = int(cache.get("queriedTokens") or 0) - status_before
+            if cache.get("hitRate") is not None and counted == grown:
                 return ic, engines
             if time.monotonic() > deadline:
                 raise StackError(
-                    f"status.cache did not catch up with the engines ({int(engines.queries)} prompt tokens) "
-                    f"within {timeout:.0f}s: {cache}"
+                    f"status.cache counted {counted} of the engines' {grown} new prompt tokens "
+                    f"after {timeout:.0f}s: {cache}"
                 )
             time.sleep(1)
 
