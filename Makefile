@@ -34,12 +34,12 @@ $(VLLM_VENV)/.ok:
 	bash scripts/install-vllm.sh
 
 lint: venv
-	$(VENV)/bin/ruff check operator tests e2e
-	$(VENV)/bin/ruff format --check operator tests e2e
+	$(VENV)/bin/ruff check operator tests e2e bench conftest.py
+	$(VENV)/bin/ruff format --check operator tests e2e bench conftest.py
 
 fmt: venv
-	$(VENV)/bin/ruff check --fix operator tests e2e
-	$(VENV)/bin/ruff format operator tests e2e
+	$(VENV)/bin/ruff check --fix operator tests e2e bench conftest.py
+	$(VENV)/bin/ruff format operator tests e2e bench conftest.py
 
 crds: venv
 	$(PY) -m kvstrata.api.crd --write

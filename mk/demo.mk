@@ -4,7 +4,7 @@
 .PHONY: demo demo-down
 DEMO_ARGS ?=
 
-demo: venv vllm
+demo: venv vllm cluster-bin
 	$(VENV)/bin/python -m kvstrata.e2e.demo up $(DEMO_ARGS)
 
 # Stops a running `make demo` (or what a crashed one left): engines, router, operator, and the
