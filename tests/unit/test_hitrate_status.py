@@ -141,7 +141,7 @@ async def test_tick_writes_window_rates_router_figures_and_condition(servers: Me
 
     servers.texts[e0] = engine_text(1200, 680)
     servers.texts[e1] = engine_text(1100, 190, usage=0.75)
-    metrics.requests.labels("http://e0", "ok").inc(4)
+    metrics.requests.labels("http://e0", "ok").inc(6)  # 6 attempts (2 retries) for 4 client requests
     for reason in ("prefix", "prefix", "prefix", "least-load"):
         metrics.decided(reason)
     servers.texts[r0] = generate_latest(metrics.registry).decode()
@@ -152,6 +152,7 @@ async def test_tick_writes_window_rates_router_figures_and_condition(servers: Me
     assert cache.hit_rate_percent == 90
     assert cache.gpu_hit_rate == pytest.approx(270 / 300)
     assert cache.external_hit_rate == 0
+    assert cache.cpu_hit_rate == 0 and cache.nvme_hit_rate == 0  # no connector tiers on these engines
     assert cache.kv_usage == pytest.approx(0.5)
     assert cache.kv_usage_percent == 50
     assert [p.pod for p in cache.pods] == ["tiny-engine-0", "tiny-engine-1"]

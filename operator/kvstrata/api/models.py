@@ -379,6 +379,8 @@ class CacheStatus(Wire):
     hit_rate_percent: int | None = Field(None, description="hitRate as a whole percent, for printing")
     gpu_hit_rate: float | None = None
     external_hit_rate: float | None = Field(None, description="Hits through the CPU/NVMe connector tiers")
+    cpu_hit_rate: float | None = Field(None, description="Share of prompt tokens loaded from the CPU tier")
+    nvme_hit_rate: float | None = Field(None, description="Share of prompt tokens loaded from the NVMe tier")
     kv_usage: float | None = Field(None, description="Mean KV usage of ready engines (0-1)")
     kv_usage_percent: int | None = None
     tokens_from_cache: int | None = None

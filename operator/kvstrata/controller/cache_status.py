@@ -194,6 +194,8 @@ def cache_status(
         hit_rate_percent=percent(window.hit_rate),
         gpu_hit_rate=_round(window.gpu_hit_rate),
         external_hit_rate=_round(window.external_hit_rate),
+        cpu_hit_rate=_round(window.tier_hit_rates.get("cpu")),
+        nvme_hit_rate=_round(window.tier_hit_rates.get("nvme")),
         kv_usage=_round(kv_usage),
         kv_usage_percent=percent(kv_usage),
         tokens_from_cache=total.tokens_from_cache,
@@ -208,8 +210,9 @@ def router_status(sample: RouterSample | None) -> Obj | None:
     if sample is None:
         return None
     share = sample.affinity_decisions / sample.decisions if sample.decisions else None
+    # One routing decision per client request; requests_total counts upstream attempts (retries too).
     return RouterStatus(
-        requests=sample.requests, affinity_share=_round(share), fallbacks=sample.fallbacks
+        requests=sample.decisions, affinity_share=_round(share), fallbacks=sample.fallbacks
     ).wire()
 
 
