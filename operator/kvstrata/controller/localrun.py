@@ -101,6 +101,7 @@ def install_chart(
         else:
             merged[key] = value
     _adopt_crd(lc, release, namespace)
+    _wait_namespace_not_terminating(lc, namespace)
     lc.helm(
         "upgrade",
         "--install",
@@ -117,6 +118,16 @@ def install_chart(
         input=yaml.safe_dump(merged),
     )
     return Install(lc, release, namespace, ports)
+
+
+def _wait_namespace_not_terminating(lc: LocalCluster, namespace: str, timeout: float = 120) -> None:
+    """A namespace a previous uninstall is still deleting refuses new objects: wait until it is gone."""
+
+    def settled() -> bool:
+        proc = lc.kubectl("get", "namespace", namespace, "-o", "jsonpath={.status.phase}", check=False)
+        return proc.returncode != 0 or proc.stdout.strip() != "Terminating"
+
+    lc.wait_for(f"namespace {namespace} to finish terminating", settled, timeout=timeout)
 
 
 def uninstall_chart(inst: Install, delete_namespace: bool = False) -> None:
