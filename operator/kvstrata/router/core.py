@@ -102,7 +102,7 @@ class Router:
             (KvUsageScorer(), w.kv_usage),
             (SessionScorer(), w.session if settings.session_header else 0.0),
         ]
-        self.bounded = BoundedLoadFilter(settings.bounded_load_factor)
+        self.bounded = BoundedLoadFilter(settings.bounded_load_factor, settings.bounded_load_slack)
         self._rr = 0
         self._token_cache: OrderedDict[str, tuple[int, list[int]]] = OrderedDict()
         self._remote_off_until = 0.0

@@ -67,6 +67,12 @@ class RouterSettings(_Wire):
     bounded_load_factor: float = Field(
         1.5, ge=1.0, description="No endpoint gets more than this × mean in-flight"
     )
+    bounded_load_slack: int = Field(
+        2,
+        ge=0,
+        description="...or more than mean + this many in-flight requests, whichever is larger: at low "
+        "concurrency a factor alone spills a prefix group onto engines that miss",
+    )
     session_header: str | None = Field(
         None, description="Optional header for session affinity, e.g. x-session-id"
     )

@@ -78,6 +78,18 @@ def test_bounded_load_filter() -> None:
     assert len(f.filter(RouteRequest(), even)) == 2
 
 
+def test_bounded_load_slack_keeps_a_prefix_group_together_at_low_concurrency() -> None:
+    # 5 in flight over 3 engines, 3 of them on the prefix holder: fair share (5 + 1) / 3 = 2.
+    eps = [ep("holder", in_flight=3), ep("b", in_flight=1), ep("c", in_flight=1)]
+    # Factor alone: cap ceil(1.5 * 2) = 3, the holder (3 + 1) is filtered out and the prefix misses.
+    assert "holder" not in [e.url for e in BoundedLoadFilter(1.5).filter(RouteRequest(), eps)]
+    # With slack 2: cap max(3, 2 + 2) = 4, the holder stays eligible.
+    assert "holder" in [e.url for e in BoundedLoadFilter(1.5, slack=2).filter(RouteRequest(), eps)]
+    # At high concurrency the factor dominates: 60 in flight, fair ~20.3, cap 31, slack irrelevant.
+    hot = [ep("holder", in_flight=31), ep("b", in_flight=15), ep("c", in_flight=14)]
+    assert "holder" not in [e.url for e in BoundedLoadFilter(1.5, slack=2).filter(RouteRequest(), hot)]
+
+
 def test_picker_combines_weighted_scores() -> None:
     eps = [ep("busy-holder", in_flight=4), ep("idle")]
     req = RouteRequest(hashes=[1, 2], matches={"busy-holder": PrefixMatch(2, gpu=2)}, tie_key=b"k")
