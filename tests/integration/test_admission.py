@@ -4,13 +4,14 @@ no traceback for any of them."""
 
 from __future__ import annotations
 
-import copy
 import json
 from typing import Any
 
 import pytest
 import yaml
 from kvs_operator_env import OperatorEnv, example, operator_env_fixture, tracebacks  # noqa: F401
+
+from kvstrata.testing.manifests import with_changes
 
 TINY = example("tiny-cpu.yaml")
 GPU = example("llama-8b-single-gpu.yaml")
@@ -23,21 +24,6 @@ MLA_ARCH = {
     "hiddenSize": 512,
     "paramsBillions": 0.1,
 }
-
-
-def with_changes(doc: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
-    """Dotted paths set values; `...` deletes the key."""
-    out = copy.deepcopy(doc)
-    for path, value in changes.items():
-        node = out
-        *parents, leaf = path.split(".")
-        for key in parents:
-            node = node.setdefault(key, {})
-        if value is ...:
-            node.pop(leaf, None)
-        else:
-            node[leaf] = value
-    return out
 
 
 # (id, base manifest, changes, who refuses it, substrings the error must contain)
