@@ -25,6 +25,7 @@ from kvstrata.router.prompts import ChatTemplateError, LocalTokenizer, chat_temp
 from kvstrata.router.requests import ParsedRequest
 from kvstrata.router.scoring import (
     BoundedLoadFilter,
+    CacheRoomScorer,
     KvUsageScorer,
     LoadScorer,
     PrefixScorer,
@@ -100,6 +101,7 @@ class Router:
             (PrefixScorer(settings.tier_weights), w.prefix),
             (LoadScorer(), w.load),
             (KvUsageScorer(), w.kv_usage),
+            (CacheRoomScorer(), w.cache_room),
             (SessionScorer(), w.session if settings.session_header else 0.0),
         ]
         self.bounded = BoundedLoadFilter(settings.bounded_load_factor, settings.bounded_load_slack)
@@ -282,7 +284,8 @@ class Router:
             self.metrics.prompt_tokens.inc(n_tokens)
         matches = (self.approx if approximate else self.index).lookup(hashes)
         tie_key = hashes[0].to_bytes(8, "big") if hashes else self._prefix_key(req)
-        rreq = RouteRequest(hashes, matches, tie_key, session_id, approximate)
+        room = {} if matches or approximate else {ep.url: self.index.blocks_of(ep.url) for ep in eps}
+        rreq = RouteRequest(hashes, matches, tie_key, session_id, approximate, room)
         kept = self.bounded.filter(rreq, eps)
         ranked = pick(rreq, kept, self.scorers)
         order = [r.endpoint for r in ranked]
@@ -321,6 +324,9 @@ class Router:
             return "session"
         if best and any(matches.get(ep.url) for ep in dropped):
             return "bounded-load"
+        room = win.scores.get("cache_room", 0.0)
+        if room > 0 and len(ranked) > 1 and ranked[1].scores.get("cache_room", 0.0) < room:
+            return "cache-room"
         if len(ranked) > 1 and ranked[1].total < win.total - 1e-9:
             return "load"
         return "tie-hash"

@@ -26,6 +26,8 @@ class RouteRequest:
     tie_key: bytes = b""
     session: str | None = None
     approximate: bool = False
+    # Blocks the router's index holds per endpoint; filled only when no endpoint matches the prompt.
+    cached_blocks: dict[str, int] = field(default_factory=dict)
 
 
 class Scorer(Protocol):
@@ -78,6 +80,24 @@ class LoadScorer:
         loads = [ep.load for ep in eps]
         worst = max(loads, default=0.0)
         return [1.0 - load / (worst + 1.0) for load in loads]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheRoomScorer:
+    """A prompt no engine holds goes where the cache has most room: fewest blocks in the router's index.
+
+    vLLM's kv_cache_usage_perc counts only blocks of running requests (cached blocks are free), so load
+    alone places new prefix groups unevenly and the fullest engine evicts. This is sglang-router's
+    smallest-tree rule for low-match requests. Silent (all zeros) when any endpoint matches."""
+
+    name: str = "cache_room"
+
+    def score(self, req: RouteRequest, eps: Sequence[Endpoint]) -> list[float]:
+        if req.matches or not req.cached_blocks:
+            return [0.0] * len(eps)
+        blocks = [req.cached_blocks.get(ep.url, 0) for ep in eps]
+        most = max(blocks, default=0)
+        return [1.0 - b / (most + 1) for b in blocks]
 
 
 @dataclass(frozen=True, slots=True)

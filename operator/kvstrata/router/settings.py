@@ -45,6 +45,9 @@ class Weights(_Wire):
     load: float = Field(0.5, ge=0)
     kv_usage: float = Field(0.2, ge=0)
     session: float = Field(2.0, ge=0, description="Only when session_header is set and present")
+    cache_room: float = Field(
+        1.0, ge=0, description="A prompt no engine holds goes where the router's index holds fewest blocks"
+    )
 
 
 class TierWeights(_Wire):

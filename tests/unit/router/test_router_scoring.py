@@ -11,6 +11,7 @@ from kvstrata.router.pool import Endpoint, EndpointSpec
 from kvstrata.router.requests import parse_request
 from kvstrata.router.scoring import (
     BoundedLoadFilter,
+    CacheRoomScorer,
     KvUsageScorer,
     LoadScorer,
     PrefixScorer,
@@ -88,6 +89,18 @@ def test_bounded_load_slack_keeps_a_prefix_group_together_at_low_concurrency() -
     # At high concurrency the factor dominates: 60 in flight, fair ~20.3, cap 31, slack irrelevant.
     hot = [ep("holder", in_flight=31), ep("b", in_flight=15), ep("c", in_flight=14)]
     assert "holder" not in [e.url for e in BoundedLoadFilter(1.5, slack=2).filter(RouteRequest(), hot)]
+
+
+def test_cache_room_sends_an_unknown_prompt_to_the_emptiest_cache() -> None:
+    eps = [ep("full"), ep("half"), ep("empty")]
+    req = RouteRequest(hashes=[1], cached_blocks={"full": 120, "half": 60, "empty": 0})
+    scores = CacheRoomScorer().score(req, eps)
+    assert scores[2] == 1.0 and scores[0] < scores[1] < scores[2]
+    ranked = pick(req, eps, [(LoadScorer(), 0.5), (CacheRoomScorer(), 1.0)])
+    assert ranked[0].endpoint.url == "empty"
+    # Once an engine holds the prompt's prefix, the prefix scorer decides alone.
+    held = RouteRequest(hashes=[1], matches={"full": PrefixMatch(1, gpu=1)}, cached_blocks={"full": 120})
+    assert CacheRoomScorer().score(held, eps) == [0.0, 0.0, 0.0]
 
 
 def test_picker_combines_weighted_scores() -> None:
