@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.e2e.podspec import LaunchSpec, PodSpecError, launch_spec, rewrite_paths, static_discovery
-from kvstrata.testing.engines import VllmEngine, group_alive, vllm_python
+from kvstrata.testing.engines import VllmEngine, group_alive, spawn_logged, vllm_python
 
 log = logging.getLogger("kvstrata.e2e.launcher")
 
@@ -106,18 +106,7 @@ class LocalProcess:
         self._proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> LocalProcess:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as out:
-            out.write(f"# kvstrata: {json.dumps(self.argv)}\n".encode())
-            out.flush()
-            self._proc = subprocess.Popen(
-                self.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **self.env},
-                start_new_session=True,
-            )
+        self._proc = spawn_logged(self.argv, self.env, self.log_path)
         return self
 
     @property

@@ -35,7 +35,7 @@ from kvstrata.controller.localrun import (
 )
 from kvstrata.controller.promtext import parse_engine
 from kvstrata.localcluster.session import LocalCluster
-from kvstrata.testing.engines import group_alive
+from kvstrata.testing.engines import group_alive, spawn_logged
 from kvstrata.testing.tinymodel import ensure_tiny_model
 
 REPO = Path(__file__).resolve().parents[3]
@@ -92,16 +92,7 @@ class Proc:
     popen: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Proc:
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "ab") as out:
-            self.popen = subprocess.Popen(
-                self.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **self.env},
-                start_new_session=True,
-            )
+        self.popen = spawn_logged(self.argv, self.env, self.log, header=False)
         return self
 
     @property

@@ -191,6 +191,26 @@ def _connect_host(host: str) -> str:
     return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
 
 
+def spawn_logged(
+    argv: Sequence[str], env: Mapping[str, str], log_path: Path, *, header: bool = True
+) -> subprocess.Popen[bytes]:
+    """Start `argv` in its own process group (so a stop reaches its children), output appended to
+    `log_path` after a line naming the exact command."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        if header:
+            log.write(f"# kvstrata: {json.dumps(list(argv))}\n".encode())
+            log.flush()
+        return subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **env},
+            start_new_session=True,
+        )
+
+
 class VllmEngine:
     """One vLLM OpenAI API server process (plus its engine-core child) in its own process group."""
 
@@ -336,19 +356,7 @@ class VllmEngine:
     def start(self) -> VllmEngine:
         if self._proc is not None:
             raise EngineError("engine already started")
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **self.env}
-        with open(self.log_path, "ab") as log:
-            log.write(f"# kvstrata: {json.dumps(self.argv)}\n".encode())
-            log.flush()
-            self._proc = subprocess.Popen(
-                self.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
+        self._proc = spawn_logged(self.argv, self.env, self.log_path)
         self.started_at = time.monotonic()
         return self
 
