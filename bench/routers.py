@@ -122,6 +122,7 @@ def router_argv(
         policy,
         "--log-level",
         "WARNING",  # every router logs at warning level: request logging is not what is measured
+        "--log-decisions",  # one line per request (54 in all): the evidence for why a run hit or missed
     ]
     if cfg.tokenizer_dir is not None:
         argv += ["--tokenizer", str(cfg.tokenizer_dir)]

@@ -261,9 +261,25 @@ class KvCacheSpec(Wire):
 
 # --------------------------------------------------------------------------------------------- router
 class RouterWeights(Wire):
-    prefix: float = Field(1.0, ge=0, le=100, description="Weight of cached-prefix overlap")
-    load: float = Field(0.5, ge=0, le=100, description="Weight of in-flight/queued load")
-    kv_usage: float = Field(0.2, ge=0, le=100, description="Weight of engine KV usage")
+    prefill: float = Field(
+        1.0,
+        ge=0,
+        le=100,
+        description="Weight of the estimated prefill before the first token (uncached prompt tokens + "
+        "queued prefill): the cache-aware score",
+    )
+    prefix: float = Field(
+        0.0, ge=0, le=100, description="Weight of the plain cached-prefix share (prefill counts it already)"
+    )
+    load: float = Field(0.2, ge=0, le=100, description="Weight of in-flight/queued request count")
+    kv_usage: float = Field(0.1, ge=0, le=100, description="Weight of engine KV usage")
+    queue: float = Field(
+        0.5,
+        ge=0,
+        le=100,
+        description="Queued prefill tokens counted per uncached prompt token; below 1 a request waits "
+        "for the engine that holds its prefix rather than recompute it elsewhere",
+    )
 
 
 class RouterSpec(Wire):

@@ -294,7 +294,8 @@ def router_settings(name: str, namespace: str, spec: InferenceClusterSpec, plan:
         hash_algo=spec.kv_cache.hash_algo,
         kv_events_topic=KV_EVENTS_TOPIC,
         policy=spec.router.policy,
-        weights=Weights(prefix=w.prefix, load=w.load, kv_usage=w.kv_usage),
+        weights=Weights(prefill=w.prefill, prefix=w.prefix, load=w.load, kv_usage=w.kv_usage),
+        queue_weight=w.queue,
         discovery=Discovery(
             namespace=namespace,
             service=engine_name(name),

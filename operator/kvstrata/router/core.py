@@ -28,6 +28,7 @@ from kvstrata.router.scoring import (
     CacheRoomScorer,
     KvUsageScorer,
     LoadScorer,
+    PrefillCostScorer,
     PrefixScorer,
     Ranked,
     RouteRequest,
@@ -35,6 +36,7 @@ from kvstrata.router.scoring import (
     SessionScorer,
     pick,
     rendezvous,
+    uncached_tokens,
 )
 from kvstrata.router.settings import RouterSettings
 
@@ -74,6 +76,11 @@ class Decision:
             cached = min(cached, (self.prompt_tokens - 1) // block_size * block_size)
         return max(cached, 0)
 
+    def uncached_tokens(self, ep: Endpoint, block_size: int) -> int:
+        """Prompt tokens ``ep`` will compute for this request (the prefill it queues there)."""
+        m = self.matches.get(ep.url)
+        return round(uncached_tokens(self.prompt_tokens, len(self.hashes), m.blocks if m else 0, block_size))
+
 
 class Router:
     def __init__(
@@ -98,6 +105,7 @@ class Router:
         self.chunk_chars = settings.approx_chunk_chars or 4 * settings.block_size
         w = settings.weights
         self.scorers: list[tuple[Scorer, float]] = [
+            (PrefillCostScorer(settings.tier_weights, settings.block_size, settings.queue_weight), w.prefill),
             (PrefixScorer(settings.tier_weights), w.prefix),
             (LoadScorer(), w.load),
             (KvUsageScorer(), w.kv_usage),
@@ -285,7 +293,7 @@ class Router:
         matches = (self.approx if approximate else self.index).lookup(hashes)
         tie_key = hashes[0].to_bytes(8, "big") if hashes else self._prefix_key(req)
         room = {} if matches or approximate else {ep.url: self.index.blocks_of(ep.url) for ep in eps}
-        rreq = RouteRequest(hashes, matches, tie_key, session_id, approximate, room)
+        rreq = RouteRequest(hashes, matches, tie_key, session_id, approximate, room, n_tokens)
         kept = self.bounded.filter(rreq, eps)
         ranked = pick(rreq, kept, self.scorers)
         order = [r.endpoint for r in ranked]
@@ -324,6 +332,9 @@ class Router:
             return "session"
         if best and any(matches.get(ep.url) for ep in dropped):
             return "bounded-load"
+        if best and win.scores.get("prefill") == 1.0:
+            # The holder scored lower on prefill cost: the prefill queued there outweighed the match.
+            return "queue"
         room = win.scores.get("cache_room", 0.0)
         if room > 0 and len(ranked) > 1 and ranked[1].scores.get("cache_room", 0.0) < room:
             return "cache-room"

@@ -70,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"]
     )
+    p.add_argument(
+        "--log-decisions",
+        action="store_true",
+        help="log every routing decision with each endpoint's scores (whatever --log-level says)",
+    )
     return p
 
 
@@ -145,6 +150,8 @@ async def run(
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.log_decisions:
+        logging.getLogger("kvstrata.router.route").setLevel(logging.DEBUG)
     try:
         settings = load_settings(args)
     except UsageError as exc:

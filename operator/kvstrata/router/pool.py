@@ -20,6 +20,8 @@ class Endpoint:
     spec: EndpointSpec
     healthy: bool = True
     in_flight: int = 0
+    # Uncached prompt tokens of this router's requests there that have no first token yet.
+    pending_prefill: int = 0
     # From the engine's /metrics (0 until the first scrape; engines without /metrics stay at 0).
     running: float = 0.0
     waiting: float = 0.0
@@ -39,6 +41,22 @@ class Endpoint:
         The engine's running count includes our in-flight requests, so take the larger of the two
         views rather than the sum (the scrape lags; in-flight is exact for this router)."""
         return max(float(self.in_flight), self.running) + self.waiting
+
+
+class PrefillTicket:
+    """Counts a request's uncached prompt tokens in its endpoint's ``pending_prefill`` until the first
+    token arrives (or the attempt ends); :meth:`done` is idempotent."""
+
+    __slots__ = ("_ep", "_tokens")
+
+    def __init__(self, ep: Endpoint, tokens: int) -> None:
+        self._ep = ep
+        self._tokens = max(tokens, 0)
+        ep.pending_prefill += self._tokens
+
+    def done(self) -> None:
+        self._ep.pending_prefill -= self._tokens
+        self._tokens = 0
 
 
 Listener = Callable[[Endpoint], None]

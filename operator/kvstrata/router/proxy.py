@@ -23,7 +23,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvstrata.router.core import Decision, NoEndpoints, Router
-from kvstrata.router.pool import Endpoint
+from kvstrata.router.pool import Endpoint, PrefillTicket
 from kvstrata.router.requests import BadRequest, Kind, parse_request
 
 log = logging.getLogger("kvstrata.router.proxy")
@@ -167,6 +167,7 @@ class Proxy:
         """The response on success, else a short error string (and the caller tries the next one)."""
         self.router.commit(decision, ep)
         ep.in_flight += 1
+        prefill = PrefillTicket(ep, decision.uncached_tokens(ep, self.block_size))
         t0 = time.perf_counter()
         outcome = "error"
         try:
@@ -186,7 +187,7 @@ class Proxy:
                     outcome = "upstream_5xx"
                     return f"upstream_5xx: {ep.url} answered {resp.status}"
                 if stream and resp.status == 200:
-                    outcome, streamed = await self._stream(request, resp, decision, ep, t0)
+                    outcome, streamed = await self._stream(request, resp, decision, ep, t0, prefill)
                     return streamed
                 try:
                     body = await resp.read()
@@ -212,11 +213,18 @@ class Proxy:
             raise
         finally:
             ep.in_flight -= 1
+            prefill.done()
             done = outcome in ("ok", "stream_ok")
             self.metrics.request_done(ep.url, outcome, time.perf_counter() - t0 if done else None)
 
     async def _stream(
-        self, request: web.Request, resp: aiohttp.ClientResponse, decision: Decision, ep: Endpoint, t0: float
+        self,
+        request: web.Request,
+        resp: aiohttp.ClientResponse,
+        decision: Decision,
+        ep: Endpoint,
+        t0: float,
+        prefill: PrefillTicket,
     ) -> tuple[str, web.StreamResponse | str]:
         """Relay an SSE stream. Nothing is sent to the client until the engine's first body bytes
         arrive (engines send headers at once), so a failure before that is still retryable: then the
@@ -225,6 +233,7 @@ class Proxy:
             first = await resp.content.readany()
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
             return "disconnected", f"disconnected: {ep.url} before the first streamed byte: {exc!r}"
+        prefill.done()  # the first token is out: the engine has finished this prompt's prefill
         self.metrics.ttft.labels(ep.url).observe(time.perf_counter() - t0)
         out = web.StreamResponse(status=resp.status, headers=_response_headers(resp))
         out.headers.update(self._decision_headers(decision, ep))
@@ -279,6 +288,7 @@ class Proxy:
             ep.url: {
                 "healthy": ep.healthy,
                 "inFlight": ep.in_flight,
+                "pendingPrefillTokens": ep.pending_prefill,
                 "running": ep.running,
                 "waiting": ep.waiting,
                 "kvUsage": ep.kv_usage,

@@ -39,11 +39,14 @@ class Discovery(_Wire):
 
 
 class Weights(_Wire):
-    """Picker weights: score = prefix*prefix_score + load*load_score (each scorer in [0, 1])."""
+    """Picker weights: total = Σ weight × score (each scorer in [0, 1]); see router/scoring.py."""
 
-    prefix: float = Field(1.0, ge=0)
-    load: float = Field(0.5, ge=0)
-    kv_usage: float = Field(0.2, ge=0)
+    prefill: float = Field(
+        1.0, ge=0, description="Estimated prefill before the first token: uncached tokens + queued prefill"
+    )
+    prefix: float = Field(0.0, ge=0, description="Share of the prompt cached (prefill counts it already)")
+    load: float = Field(0.2, ge=0)
+    kv_usage: float = Field(0.1, ge=0)
     session: float = Field(2.0, ge=0, description="Only when session_header is set and present")
     cache_room: float = Field(
         1.0, ge=0, description="A prompt no engine holds goes where the router's index holds fewest blocks"
@@ -70,8 +73,14 @@ class RouterSettings(_Wire):
     bounded_load_factor: float = Field(
         1.5, ge=1.0, description="No endpoint gets more than this × mean in-flight"
     )
+    queue_weight: float = Field(
+        0.5,
+        ge=0,
+        description="Prefill scorer: queued prefill tokens counted per uncached prompt token; below 1 "
+        "a request waits for the engine holding its prefix rather than recompute it elsewhere",
+    )
     bounded_load_slack: int = Field(
-        2,
+        4,
         ge=0,
         description="...or more than mean + this many in-flight requests, whichever is larger: at low "
         "concurrency a factor alone spills a prefix group onto engines that miss",

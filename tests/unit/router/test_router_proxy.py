@@ -269,6 +269,44 @@ async def test_client_disconnect_cancels_upstream(
     assert sum(ep.in_flight for ep in h.svc.router.pool.all()) == 0
 
 
+async def test_pending_prefill_lasts_until_the_first_token(
+    make_router: RouterFactory, fakes: Callable[..., Any]
+) -> None:
+    """The prefill scorer's queue: counted from send to the first streamed byte, not for the whole stream."""
+    slow, streaming = await fakes("slow", "stream-slow")
+
+    async def settled(e: Any, in_flight: int) -> None:
+        for _ in range(100):
+            if e.in_flight == in_flight:
+                return
+            await asyncio.sleep(0.02)
+
+    # Before any answer: the prompt's uncached tokens are queued there (character-block fallback here:
+    # each 128-character block stands in for 32 tokens).
+    h = await make_router([slow.url])
+    assert h.svc.router is not None
+    (e,) = h.svc.router.pool.all()
+    waiting = asyncio.create_task(
+        h.post("/v1/completions", completion(), timeout=aiohttp.ClientTimeout(total=1))
+    )
+    await settled(e, 1)
+    assert (e.in_flight, e.pending_prefill) == (1, len(PROMPT) // 128 * 32)
+    with pytest.raises(asyncio.TimeoutError):
+        await waiting
+    await settled(e, 0)
+    assert (e.in_flight, e.pending_prefill) == (0, 0)
+
+    # Streaming: released at the first event while the stream goes on.
+    h = await make_router([streaming.url])
+    assert h.svc.router is not None
+    (e,) = h.svc.router.pool.all()
+    async with h.client.post(h.base + "/v1/completions", json=completion(stream=True)) as resp:
+        assert (await resp.content.readline()).startswith(b"data: ")
+        assert (e.in_flight, e.pending_prefill) == (1, 0)
+    await settled(e, 0)
+    assert (e.in_flight, e.pending_prefill) == (0, 0)
+
+
 @pytest.mark.parametrize(
     "path,body,status,param,message",
     [

@@ -7,13 +7,14 @@ import pytest
 from kvstrata.router.core import Router
 from kvstrata.router.index import PrefixMatch
 from kvstrata.router.metrics import RouterMetrics
-from kvstrata.router.pool import Endpoint, EndpointSpec
+from kvstrata.router.pool import Endpoint, EndpointSpec, PrefillTicket
 from kvstrata.router.requests import parse_request
 from kvstrata.router.scoring import (
     BoundedLoadFilter,
     CacheRoomScorer,
     KvUsageScorer,
     LoadScorer,
+    PrefillCostScorer,
     PrefixScorer,
     RouteRequest,
     SessionScorer,
@@ -45,6 +46,54 @@ def test_prefix_scorer_credits_tiers() -> None:
     pred = RouteRequest(hashes=[1, 2], matches={"a": PrefixMatch(2, predicted=2)})
     assert PrefixScorer(tiers).score(pred, eps[:1]) == [1.0]
     assert PrefixScorer(tiers).score(RouteRequest(), eps) == [0.0] * 4
+
+
+def test_prefill_cost_counts_uncached_tokens_and_the_queue() -> None:
+    tiers = TierWeights(GPU=1.0, CPU=0.5, STORAGE=0.25)
+    s = PrefillCostScorer(tiers, block_size=32, queue_weight=0.5)
+    eps = [ep("gpu"), ep("cpu"), ep("none"), ep("none-queued", pending_prefill=400)]
+    req = RouteRequest(
+        hashes=[1, 2, 3, 4],
+        matches={"gpu": PrefixMatch(4, gpu=3, predicted=1), "cpu": PrefixMatch(4, cpu=4)},
+        prompt_tokens=140,
+    )
+    # 140 tokens, 4 full blocks of 32 cached: 12 left on GPU; a CPU hit saves half of each block.
+    assert [s.cost(req, e) for e in eps] == [12.0, 76.0, 140.0, 140.0 + 200.0]
+    assert s.score(req, eps) == pytest.approx([1.0, 13 / 77, 13 / 141, 13 / 341])
+    # A fully cached prompt still computes its last token; character blocks stand in for token blocks.
+    assert (
+        s.cost(RouteRequest(hashes=[1], matches={"gpu": PrefixMatch(1, gpu=1)}, prompt_tokens=32), eps[0])
+        == 1.0
+    )
+    assert s.cost(RouteRequest(hashes=[1, 2], matches={"gpu": PrefixMatch(1, gpu=1)}), eps[0]) == 32.0
+    assert s.score(RouteRequest(), eps[:2]) == [1.0, 1.0]
+
+
+def test_prefill_keeps_a_follow_up_on_its_busy_holder_unless_prefill_queues_there() -> None:
+    """The failure measured in `make bench-router` with a share score: a holder running four cache hits
+    lost a follow-up to an idle engine, which then recomputed the whole document."""
+    tiers = TierWeights()
+    req = RouteRequest(hashes=list(range(26)), matches={"holder": PrefixMatch(24, gpu=24)}, prompt_tokens=850)
+    scorers = [(PrefillCostScorer(tiers, 32, 0.5), 1.0), (LoadScorer(), 0.2), (KvUsageScorer(), 0.1)]
+    hits_queued = [ep("holder", in_flight=4, pending_prefill=4 * 80), ep("idle")]
+    assert pick(req, hits_queued, scorers)[0].endpoint.url == "holder"
+    # The share score with the old weights gave this request away.
+    old = [(PrefixScorer(tiers), 1.0), (LoadScorer(), 2.0)]
+    assert pick(req, hits_queued, old)[0].endpoint.url == "idle"
+    # Three cold documents queued at the holder: recomputing elsewhere is faster.
+    cold_queued = [ep("holder", in_flight=3, pending_prefill=3 * 850), ep("idle")]
+    assert pick(req, cold_queued, scorers)[0].endpoint.url == "idle"
+
+
+def test_prefill_ticket_counts_until_done() -> None:
+    e = ep("a")
+    first, second = PrefillTicket(e, 100), PrefillTicket(e, 30)
+    assert e.pending_prefill == 130
+    first.done()
+    first.done()  # idempotent: the first token and the end of the attempt both call it
+    assert e.pending_prefill == 30
+    second.done()
+    assert e.pending_prefill == 0
 
 
 def test_load_scorer_prefers_less_loaded() -> None:
@@ -171,6 +220,13 @@ async def test_kv_aware_reasons_and_predictions() -> None:
     d.order[1].in_flight = 1
     d4 = await r.decide(_req([99, 98, 97, 96]))
     assert d4.reason in ("load", "tie-hash") and d4.order[0] is not d.order[1]
+    # Cold prefill queued at the holder outweighs its match: the request goes elsewhere, and says so.
+    d.order[1].in_flight = 0
+    d.order[0].pending_prefill = 1000
+    d5 = await r.decide(_req(tokens))
+    assert d5.reason == "queue" and d5.order[0] is not d.order[0]
+    # 12 tokens: all 3 blocks cached at the holder, yet the last token is always computed.
+    assert d5.uncached_tokens(d5.order[0], 4) == 12 and d5.uncached_tokens(d.order[0], 4) == 1
 
 
 async def test_round_robin_least_load_prefix_hash() -> None:
