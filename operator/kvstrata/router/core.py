@@ -343,10 +343,20 @@ class Router:
         return "tie-hash"
 
     def commit(self, decision: Decision, ep: Endpoint) -> None:
-        """Called when a request is sent to ``ep``: its prompt blocks will be cached there soon."""
+        """Called when a request is sent to ``ep``: its prompt blocks will be cached there.
+
+        The prediction holds until the request's prefill is over (:meth:`settle`): under load a prefill
+        can outlast any fixed TTL, and a prediction that expires first sends the next request of the same
+        prefix elsewhere, which recomputes it (seen in `make bench-router` at TTFT > 5 s)."""
         if not decision.hashes:
             return
         if decision.approximate:
             self.approx.predict(ep.url, decision.hashes, self.settings.approx_ttl_seconds)
         else:
+            self.index.predict(ep.url, decision.hashes, self.settings.upstream_timeout_seconds)
+
+    def settle(self, decision: Decision, ep: Endpoint) -> None:
+        """The request's prefill is over (first token, or the attempt ended): the engine's events now
+        confirm its blocks within moments, so unconfirmed predictions get the short TTL."""
+        if decision.hashes and not decision.approximate:
             self.index.predict(ep.url, decision.hashes, self.settings.prediction_ttl_seconds)

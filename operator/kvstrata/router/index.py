@@ -16,8 +16,9 @@ engine cannot push every other engine out of the index. Evictions are counted.
 
 from __future__ import annotations
 
+import heapq
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
@@ -58,7 +59,9 @@ class BlockIndex:
         self._eps: dict[str, OrderedDict[int, list[float]]] = {}
         # Bounded like the index: if it overflows, the oldest expiries are dropped and lookups remove
         # those expired entries when they meet them.
-        self._predictions: deque[tuple[float, str, int]] = deque(maxlen=max_blocks)
+        # Min-heap of (expiry, endpoint, hash). Expiries differ per call (a request in flight is predicted
+        # until its first token, then for the short TTL), so a FIFO would not be in expiry order.
+        self._predictions: list[tuple[float, str, int]] = []
         self._size = 0
         self.evictions = 0
 
@@ -155,7 +158,9 @@ class BlockIndex:
                 if not int(entry[0]) & REAL:
                     entry[1] = expires
                 blocks.move_to_end(h)
-            self._predictions.append((expires, endpoint, h))
+            heapq.heappush(self._predictions, (expires, endpoint, h))
+        if len(self._predictions) > 2 * self.max_blocks:
+            self._compact_predictions()
         self._enforce_bound()
 
     def drop_endpoint(self, endpoint: str) -> None:
@@ -176,11 +181,20 @@ class BlockIndex:
             self._size -= len(blocks)
             blocks.clear()
 
+    def _compact_predictions(self) -> None:
+        """Rebuild the heap from live predictions: refreshed ones leave stale tuples behind."""
+        self._predictions = [
+            (entry[1], ep, h)
+            for ep, blocks in self._eps.items()
+            for h, entry in blocks.items()
+            if entry[0] == PREDICTED
+        ]
+        heapq.heapify(self._predictions)
+
     def _expire(self, now: float) -> None:
-        # Predictions share one TTL per call, so the deque is (nearly) in expiry order.
         preds = self._predictions
         while preds and preds[0][0] <= now:
-            expires, ep, h = preds.popleft()
+            expires, ep, h = heapq.heappop(preds)
             blocks = self._eps.get(ep)
             if blocks is None:
                 continue

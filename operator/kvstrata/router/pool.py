@@ -45,7 +45,7 @@ class Endpoint:
 
 class PrefillTicket:
     """Counts a request's uncached prompt tokens in its endpoint's ``pending_prefill`` until the first
-    token arrives (or the attempt ends); :meth:`done` is idempotent."""
+    token arrives (or the attempt ends)."""
 
     __slots__ = ("_ep", "_tokens")
 
@@ -54,9 +54,13 @@ class PrefillTicket:
         self._tokens = max(tokens, 0)
         ep.pending_prefill += self._tokens
 
-    def done(self) -> None:
+    def done(self) -> bool:
+        """True the first time (the prefill just ended), False after."""
+        if self._tokens < 0:
+            return False
         self._ep.pending_prefill -= self._tokens
-        self._tokens = 0
+        self._tokens = -1
+        return True
 
 
 Listener = Callable[[Endpoint], None]

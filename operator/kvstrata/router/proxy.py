@@ -213,7 +213,7 @@ class Proxy:
             raise
         finally:
             ep.in_flight -= 1
-            prefill.done()
+            self._prefill_over(prefill, decision, ep)
             done = outcome in ("ok", "stream_ok")
             self.metrics.request_done(ep.url, outcome, time.perf_counter() - t0 if done else None)
 
@@ -233,7 +233,7 @@ class Proxy:
             first = await resp.content.readany()
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
             return "disconnected", f"disconnected: {ep.url} before the first streamed byte: {exc!r}"
-        prefill.done()  # the first token is out: the engine has finished this prompt's prefill
+        self._prefill_over(prefill, decision, ep)  # the first token is out
         self.metrics.ttft.labels(ep.url).observe(time.perf_counter() - t0)
         out = web.StreamResponse(status=resp.status, headers=_response_headers(resp))
         out.headers.update(self._decision_headers(decision, ep))
@@ -260,6 +260,10 @@ class Proxy:
             return "client_disconnect", out
         await out.write_eof()
         return "stream_ok", out
+
+    def _prefill_over(self, prefill: PrefillTicket, decision: Decision, ep: Endpoint) -> None:
+        if prefill.done():
+            self.router.settle(decision, ep)
 
     def _observe_cached(self, decision: Decision, ep: Endpoint, body: bytes) -> None:
         self.metrics.predicted_cached_tokens.inc(decision.predicted_cached_tokens(ep, self.block_size))

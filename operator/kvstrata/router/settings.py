@@ -88,7 +88,12 @@ class RouterSettings(_Wire):
     session_header: str | None = Field(
         None, description="Optional header for session affinity, e.g. x-session-id"
     )
-    prediction_ttl_seconds: float = Field(5.0, gt=0)
+    prediction_ttl_seconds: float = Field(
+        5.0,
+        gt=0,
+        description="How long a routed prompt's blocks count as cached on its engine after its prefill "
+        "ended (first token) without the engine's events confirming them; until then they always count",
+    )
     max_index_blocks: int = Field(2_000_000, gt=0, description="Bound on indexed (endpoint, block) entries")
     max_retries: int = Field(
         2, ge=0, description="Other endpoints tried on connect error/5xx before first byte"

@@ -66,6 +66,27 @@ def test_predictions_expire_unless_confirmed() -> None:
     assert len(idx) == 2
 
 
+def test_predictions_expire_in_expiry_order_whatever_their_ttl() -> None:
+    """A request in flight is predicted until its prefill ends (long TTL), then for the short TTL."""
+    clock = Clock()
+    idx = BlockIndex(100, clock=clock)
+    idx.predict("a", [1, 2], ttl=600)  # in flight
+    idx.predict("b", [1, 2], ttl=5)  # another request, already settled
+    clock.t += 6
+    assert idx.lookup([1, 2]) == {"a": PrefixMatch(2, predicted=2)}
+    assert len(idx) == 2  # b's entries left although a's longer expiry was queued first
+    idx.predict("a", [1, 2], ttl=5)  # a's prefill is over: the prediction shortens
+    clock.t += 6
+    assert idx.lookup([1, 2]) == {} and len(idx) == 0
+
+
+def test_prediction_heap_stays_bounded_under_refreshes() -> None:
+    idx = BlockIndex(10, clock=Clock())
+    for _ in range(100):
+        idx.predict("a", [1, 2, 3], ttl=5)
+    assert len(idx) == 3 and len(idx._predictions) <= 2 * 10
+
+
 def test_prediction_refresh_extends_ttl_and_does_not_downgrade_confirmed() -> None:
     clock = Clock()
     idx = BlockIndex(100, clock=clock)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvstrata.router.core import Router
-from kvstrata.router.index import PrefixMatch
+from kvstrata.router.index import BlockIndex, PrefixMatch
 from kvstrata.router.metrics import RouterMetrics
 from kvstrata.router.pool import Endpoint, EndpointSpec, PrefillTicket
 from kvstrata.router.requests import parse_request
@@ -227,6 +227,21 @@ async def test_kv_aware_reasons_and_predictions() -> None:
     assert d5.reason == "queue" and d5.order[0] is not d.order[0]
     # 12 tokens: all 3 blocks cached at the holder, yet the last token is always computed.
     assert d5.uncached_tokens(d5.order[0], 4) == 12 and d5.uncached_tokens(d.order[0], 4) == 1
+
+
+async def test_prediction_holds_until_the_prefill_is_over() -> None:
+    r = _router("kv-aware")
+    now = [100.0]
+    r.index = BlockIndex(1000, clock=lambda: now[0])
+    tokens = list(range(12))
+    d = await r.decide(_req(tokens))
+    r.commit(d, d.order[0])
+    now[0] += 60  # a slow prefill: far past the 5 s prediction TTL
+    again = await r.decide(_req(tokens))
+    assert again.reason == "prefix" and again.order[0] is d.order[0]
+    r.settle(d, d.order[0])  # first token: the engine's events take over within moments
+    now[0] += 6
+    assert (await r.decide(_req(tokens))).matches == {}
 
 
 async def test_round_robin_least_load_prefix_hash() -> None:
