@@ -47,6 +47,14 @@ def deltas(
     ]
 
 
+def summed(rounds: Sequence[Sequence[EngineDelta]]) -> list[EngineDelta]:
+    """Per engine, the counters of several runs added up (engines in the same order in each)."""
+    return [
+        EngineDelta(per[0].url, **{k: sum(getattr(r, k) for r in per) for k in COUNTERS})
+        for per in zip(*rounds, strict=True)
+    ]
+
+
 def cluster_hit_rate(rows: Sequence[EngineDelta]) -> float | None:
     queries = sum(r.queries for r in rows)
     return sum(r.hits for r in rows) / queries if queries else None

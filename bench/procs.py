@@ -42,11 +42,14 @@ class ProcGroup:
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
         self.procs: list[Proc] = []
+        self._logged: set[str] = set()
         log_dir.mkdir(parents=True, exist_ok=True)
 
     def start(self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None) -> Proc:
         log = self.log_dir / f"{name}.log"
-        with log.open("wb") as out:
+        # A name started again (the next benchmark round) appends: the log keeps every round.
+        with log.open("ab" if name in self._logged else "wb") as out:
+            self._logged.add(name)
             popen = subprocess.Popen(
                 list(argv),
                 stdout=out,

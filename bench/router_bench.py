@@ -16,6 +16,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=_env_int("BENCH_ENGINE_BLOCKS", 0),
         help="KV blocks per engine (--num-gpu-blocks-override); 0 = 45%% of the working set",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=_env_int("BENCH_ROUNDS", 3),
+        help="times each router runs the workload, in rotated order; figures pool all rounds "
+        "(env BENCH_ROUNDS; one round's hit rate moves by several points with timing)",
+    )
     p.add_argument("--out", type=Path, default=Path(".bench/router.json"))
     p.add_argument("--workdir", type=Path, default=Path(".bench/router"))
     return p.parse_args(argv)
@@ -114,7 +122,18 @@ def _engine_blocks(working_set: int, longest_prompt: int, args: argparse.Namespa
     return blocks, max_len
 
 
-def _summarize(name: str, results: list[Result], rows: list[em.EngineDelta], wall: float) -> dict[str, Any]:
+@dataclass
+class _Round:
+    results: list[Result]
+    rows: list[em.EngineDelta]
+    wall_s: float
+    ready_s: float
+    router_metrics: list[str]
+
+
+def _summarize(name: str, rounds: list[_Round]) -> dict[str, Any]:
+    results = [r for rnd in rounds for r in rnd.results]
+    rows = em.summed([rnd.rows for rnd in rounds])
     ok = [r for r in results if r.ok]
     ttft = [r.ttft_s * 1000 for r in ok if r.ttft_s is not None]
     first = [r.ttft_s * 1000 for r in ok if r.ttft_s is not None and r.turn == 0]
@@ -125,7 +144,9 @@ def _summarize(name: str, results: list[Result], rows: list[em.EngineDelta], wal
         "requests": len(results),
         "errors": len(errors),
         "error_samples": sorted(set(e for e in errors if e))[:5],
+        "rounds": len(rounds),
         "hit_rate": em.cluster_hit_rate(rows),
+        "hit_rate_by_round": [em.cluster_hit_rate(rnd.rows) for rnd in rounds],
         "ttft_ms": {
             "p50": percentile(ttft, 50),
             "p90": percentile(ttft, 90),
@@ -138,7 +159,9 @@ def _summarize(name: str, results: list[Result], rows: list[em.EngineDelta], wal
         "per_engine_requests": [int(r.requests) for r in rows],
         "split_max_over_mean": em.split_imbalance(rows),
         "engines": [vars(r) for r in rows],
-        "wall_s": round(wall, 2),
+        "wall_s": round(mean([rnd.wall_s for rnd in rounds]) or 0.0, 2),
+        "ready_s": round(mean([rnd.ready_s for rnd in rounds]) or 0.0, 2),
+        "router_metrics_last_round": rounds[-1].router_metrics,
     }
 
 
@@ -165,6 +188,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvstrata.testing.tinymodel import default_tiny_model_dir, ensure_tiny_model
 
     routers = [r.strip() for r in args.routers.split(",") if r.strip()]
+    if args.rounds < 1:
+        raise BenchError(f"--rounds must be >= 1, got {args.rounds}")
     try:
         vllm_python()
     except EngineError as exc:
@@ -219,7 +244,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             routers.remove(r)
 
     args.workdir.mkdir(parents=True, exist_ok=True)
-    results: list[dict[str, Any]] = []
     machine_info = machine()
     t0 = time.monotonic()
     engines = start_engines(
@@ -239,9 +263,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         workers = [Worker(e.base_url, e.kv_events_endpoint, e.kv_replay_endpoint) for e in engines]
         cfg = RouterConfig(model=MODEL, tokenizer_dir=model_dir, block_size=args.block_size)
+        done: dict[str, list[_Round]] = {name: [] for name in routers}
+        problems: dict[str, dict[str, Any]] = {}
         with ProcGroup(args.workdir / "logs") as procs:
-            for name in routers:
-                results.append(_run_router(procs, name, workers, cfg, engines, convs, args))
+            for k in range(args.rounds):
+                # Rotate the order: the machine's load drifts during a run, so no router always goes first.
+                for name in routers[k % len(routers) :] + routers[: k % len(routers)]:
+                    if name in problems:
+                        continue
+                    print(f"- round {k + 1}/{args.rounds}: {name}", flush=True)
+                    outcome = _run_router(procs, name, workers, cfg, engines, convs, args)
+                    if isinstance(outcome, dict):
+                        problems[name] = outcome
+                    else:
+                        done[name].append(outcome)
+        results = [problems.get(name) or _summarize(name, done[name]) for name in routers]
     finally:
         stop_all(engines)
     return {
@@ -258,6 +294,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "extra_args": list(ENGINE_EXTRA_ARGS),
         },
         "workload": workload_info,
+        "rounds": args.rounds,
         "skipped": skipped,
         "results": results,
         "total_s": round(time.monotonic() - t0, 1),
@@ -272,8 +309,8 @@ def _run_router(
     engines: list[Any],
     convs: list[Any],
     args: argparse.Namespace,
-) -> dict[str, Any]:
-    print(f"- {name}: starting", flush=True)
+) -> _Round | dict[str, Any]:
+    """One round of one router: its raw results, or a problem row."""
     running = None
     try:
         running = start_router(procs, name, workers, cfg)
@@ -285,16 +322,21 @@ def _run_router(
         after = [em.parse_counters(e.metrics()) for e in engines]
         if not running.proc.alive():
             print(f"  {name} exited during the run; log tail:\n{running.proc.log_tail()}", flush=True)
-        row = _summarize(name, res, em.deltas([e.base_url for e in engines], before, after), wall)
-        row["ready_s"] = running.ready_seconds
         metrics_file = args.workdir / "logs" / f"{name.replace('/', '_')}.metrics.txt"
-        row["router_metrics"] = scrape_router_metrics(running, metrics_file)
+        rnd = _Round(
+            res,
+            em.deltas([e.base_url for e in engines], before, after),
+            wall,
+            running.ready_seconds,
+            scrape_router_metrics(running, metrics_file),
+        )
+        failed = sum(not r.ok for r in res)
         print(
-            f"  hit rate {fmt(_pct(row['hit_rate']))}%  TTFT p50 {fmt(row['ttft_ms']['p50'], 0)} ms  "
-            f"errors {row['errors']}  split {row['per_engine_requests']}  wall {wall:.0f} s",
+            f"  hit rate {fmt(_pct(em.cluster_hit_rate(rnd.rows)))}%  errors {failed}  "
+            f"split {[int(r.requests) for r in rnd.rows]}  wall {wall:.0f} s",
             flush=True,
         )
-        return row
+        return rnd
     except BenchError as exc:
         print(f"  {name} FAILED: {exc}", flush=True)
         return {"router": name, "problem": str(exc).splitlines()[0], "detail": str(exc)}
@@ -311,6 +353,7 @@ def render(payload: dict[str, Any]) -> str:
     headers = [
         "router",
         "hit %",
+        "by round",
         "TTFT p50",
         "p90",
         "p99",
@@ -323,13 +366,14 @@ def render(payload: dict[str, Any]) -> str:
     rows = []
     for r in payload["results"]:
         if "problem" in r:
-            rows.append([r["router"], "FAILED", "-", "-", "-", "-", "-", "-", "-", "-"])
+            rows.append([r["router"], "FAILED", "-", "-", "-", "-", "-", "-", "-", "-", "-"])
             continue
         t = r["ttft_ms"]
         rows.append(
             [
                 r["router"],
                 fmt(_pct(r["hit_rate"])),
+                "/".join(fmt(_pct(h), 0) for h in r["hit_rate_by_round"]),
                 fmt(t["p50"], 0),
                 fmt(t["p90"], 0),
                 fmt(t["p99"], 0),
@@ -343,7 +387,8 @@ def render(payload: dict[str, Any]) -> str:
     w, e = payload["workload"], payload["engines"]
     lines = [
         f"router benchmark: {w['requests']} requests ({w['conversations']} conversations x {w['turns']} turns, "
-        f"{w['groups']} shared documents), concurrency {w['concurrency']}, {e['count']} vLLM CPU engines x "
+        f"{w['groups']} shared documents) x {payload['rounds']} rounds, concurrency {w['concurrency']}, "
+        f"{e['count']} vLLM CPU engines x "
         f"{e['blocks_each']} KV blocks (working set {w['working_set_blocks']} blocks), "
         f"{payload['machine']['cpus']} CPUs (load avg {payload['machine']['loadavg_1m_5m_15m'][0]} at start, "
         f"{payload['machine']['loadavg_at_end'][0]} at end); ceiling hit rate {100 * w['ideal_hit_rate']:.1f}%; "

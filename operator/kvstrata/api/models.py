@@ -274,7 +274,7 @@ class RouterWeights(Wire):
     load: float = Field(0.2, ge=0, le=100, description="Weight of in-flight/queued request count")
     kv_usage: float = Field(0.1, ge=0, le=100, description="Weight of engine KV usage")
     queue: float = Field(
-        0.5,
+        0.25,
         ge=0,
         le=100,
         description="Queued prefill tokens counted per uncached prompt token; below 1 a request waits "

@@ -105,7 +105,12 @@ class LocalTokenizer:
         self.chat_template = compile_chat_template(template) if isinstance(template, str) else None
 
     def encode_completion(self, prompt: str) -> list[int]:
-        return self.tokenizer.encode(prompt, add_special_tokens=True).ids
+        return self._ids(prompt, add_special_tokens=True)
+
+    def _ids(self, text: str, add_special_tokens: bool) -> list[int]:
+        # encode_batch_fast skips the offsets (and their Python objects) that routing never reads: a
+        # third less CPU per prompt than encode (`make bench-proxy` profile); the ids are the same.
+        return self.tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> str:
         if self.chat_template is None:
@@ -120,7 +125,7 @@ class LocalTokenizer:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> list[int]:
-        return self.tokenizer.encode(self.render_chat(messages, **kwargs), add_special_tokens=False).ids
+        return self._ids(self.render_chat(messages, **kwargs), add_special_tokens=False)
 
 
 def chat_template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:

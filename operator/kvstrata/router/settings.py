@@ -74,7 +74,7 @@ class RouterSettings(_Wire):
         1.5, ge=1.0, description="No endpoint gets more than this × mean in-flight"
     )
     queue_weight: float = Field(
-        0.5,
+        0.25,
         ge=0,
         description="Prefill scorer: queued prefill tokens counted per uncached prompt token; below 1 "
         "a request waits for the engine holding its prefix rather than recompute it elsewhere",

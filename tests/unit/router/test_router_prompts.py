@@ -44,6 +44,27 @@ def test_completion_gets_bos_once(tok_dir: Path) -> None:
     assert t.encode_completion("hello world") == [1, 3, 4]
 
 
+def test_fast_encode_gives_the_ids_of_encode(tmp_path: Path) -> None:
+    """The router encodes without offsets (encode_batch_fast); the ids must equal what vLLM's encode gives."""
+    from tokenizers import decoders, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [
+        "The quick brown fox jumps over the lazy dog.",
+        "Ünïcödé   spaces\tand\nnewlines",
+        "x = f(y) + 42",
+    ]
+    tok.train_from_iterator(corpus * 20, trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>"]))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    t = LocalTokenizer(tmp_path)
+    for text in [*corpus, "", " leading", "trailing  ", "<s> inside", "日本語のテキスト", "a" * 5000]:
+        assert t.encode_completion(text) == tok.encode(text, add_special_tokens=True).ids
+        assert t._ids(text, add_special_tokens=False) == tok.encode(text, add_special_tokens=False).ids
+
+
 def test_chat_renders_template_and_adds_no_second_bos(tok_dir: Path) -> None:
     t = LocalTokenizer(tok_dir)
     msgs = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}]
