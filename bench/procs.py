@@ -8,12 +8,14 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 class BenchError(RuntimeError):
@@ -103,6 +105,32 @@ def sigterm_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def bench_main(
+    name: str, run: Callable[[], dict[str, Any]], render: Callable[[dict[str, Any]], str], out: Path
+) -> int:
+    """A benchmark's `main`: run it with SIGTERM as Ctrl-C, say what failed without a traceback, else
+    write the JSON and print the table."""
+    from bench.report import write_json
+
+    try:
+        with sigterm_as_interrupt():
+            payload = run()
+    except BenchError as exc:
+        print(f"{name}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted; all processes stopped", file=sys.stderr)
+        return 130
+    except Exception as exc:  # EngineError and friends: say what failed, no traceback
+        print(f"{name}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    write_json(out, payload)
+    print()
+    print(render(payload))
+    print(f"\nwrote {out}")
+    return 0
 
 
 def free_port() -> int:

@@ -14,15 +14,14 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from bench import nginx_backend
-from bench.procs import BenchError, ProcGroup, http_post, sigterm_as_interrupt
+from bench.procs import BenchError, ProcGroup, bench_main, http_post
 from bench.profile import record
-from bench.report import fmt, group_cpu_seconds, machine, table, write_json
+from bench.report import fmt, group_cpu_seconds, machine, table
 from bench.routers import RouterConfig, Worker, kvstrata_router_available, start_router
 from bench.wrk import UNIQUE, run_wrk, write_script
 
@@ -300,20 +299,7 @@ def render(payload: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        with sigterm_as_interrupt():
-            payload = run(args)
-    except BenchError as exc:
-        print(f"bench-proxy: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("bench-proxy: interrupted; all processes stopped", file=sys.stderr)
-        return 130
-    write_json(args.out, payload)
-    print()
-    print(render(payload))
-    print(f"\nwrote {args.out}")
-    return 0
+    return bench_main("bench-proxy", lambda: run(args), render, args.out)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +21,8 @@ from typing import Any
 
 from bench import engine_metrics as em
 from bench.client import Result, run_conversations
-from bench.procs import BenchError, ProcGroup, sigterm_as_interrupt, wait_until
-from bench.report import fmt, machine, mean, percentile, table, write_json
+from bench.procs import BenchError, ProcGroup, bench_main, wait_until
+from bench.report import fmt, machine, mean, percentile, table
 from bench.routers import RouterConfig, Worker, kvstrata_router_available, scrape_router_metrics, start_router
 from bench.workload import WorkloadSpec, build, distinct_blocks, ideal_hit_rate, schedule
 
@@ -408,23 +407,7 @@ def render(payload: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        with sigterm_as_interrupt():
-            payload = run(args)
-    except BenchError as exc:
-        print(f"bench-router: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("bench-router: interrupted; all processes stopped", file=sys.stderr)
-        return 130
-    except Exception as exc:  # EngineError and friends: say what failed, no traceback
-        print(f"bench-router: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    write_json(args.out, payload)
-    print()
-    print(render(payload))
-    print(f"\nwrote {args.out}")
-    return 0
+    return bench_main("bench-router", lambda: run(args), render, args.out)
 
 
 if __name__ == "__main__":

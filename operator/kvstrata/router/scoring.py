@@ -91,7 +91,9 @@ class PrefillCostScorer:
         m = req.matches.get(ep.url)
         credit = credited_blocks(m, self.tiers) if m else 0.0
         own = uncached_tokens(req.prompt_tokens, len(req.hashes), credit, self.block_size)
-        return own + self.queue_weight * ep.pending_prefill
+        # With nothing cached anywhere there is no copy to avoid: the queue counts in full (TTFT).
+        weight = self.queue_weight if req.matches else 1.0
+        return own + weight * ep.pending_prefill
 
     def score(self, req: RouteRequest, eps: Sequence[Endpoint]) -> list[float]:
         costs = [self.cost(req, ep) for ep in eps]

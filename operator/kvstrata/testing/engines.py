@@ -550,6 +550,13 @@ def start_engines(
     :class:`VllmEngine` (block_size, kv_cache_space_gib, extra_args, env, ...)."""
     if n < 1:
         raise ValueError("n must be >= 1")
+    if n > 1:
+        # vLLM's auto binding pins each engine's OpenMP threads to the same core (core 0 here, with core 1
+        # reserved), so engines started side by side would share one core and serialize their compute.
+        # Unbound, vLLM no longer lowers torch's thread count, so each engine would spin one OpenMP thread
+        # per core: one thread each, and the OS spreads the engines over the cores.
+        unbound = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+        kwargs["env"] = {**unbound, **(kwargs.get("env") or {})}
     engines = []
     for i in range(n):
         port = base_port + i if base_port is not None else free_port()
