@@ -175,9 +175,13 @@ def _idle(engines: list[Any]) -> bool:
 
 
 def _reset_caches(engines: list[Any]) -> None:
+    """Empty every engine's prefix cache, and make it say so on its KV-event stream before the next
+    router starts: vLLM queues AllBlocksCleared at the reset but publishes it only with its next step, so
+    a router started on idle engines would replay the previous round's blocks as if still cached."""
     wait_until("engines to go idle", lambda: _idle(engines), 120)
     for e in engines:
         e.reset_prefix_cache()
+        e.complete("flush", max_tokens=1)  # one step; shorter than a block, so nothing new is cached
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -312,8 +316,8 @@ def _run_router(
     """One round of one router: its raw results, or a problem row."""
     running = None
     try:
-        running = start_router(procs, name, workers, cfg)
         _reset_caches(engines)
+        running = start_router(procs, name, workers, cfg)
         before = [em.parse_counters(e.metrics()) for e in engines]
         start = time.monotonic()
         res = asyncio.run(run_conversations(running.url, MODEL, convs, args.max_tokens, args.concurrency))

@@ -22,8 +22,28 @@ def test_tiny_cpu_example_fits_with_exact_block_capacity() -> None:
     gpu = p.tier("gpu")
     assert gpu is not None and gpu.blocks == 96 and gpu.tokens == 96 * 32
     assert p.engine_env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    # Unbound OpenMP, one thread per requested CPU: engine pods on one node must not pin the same cores.
+    assert (p.engine_env["VLLM_CPU_OMP_THREADS_BIND"], p.engine_env["OMP_NUM_THREADS"]) == ("nobind", "1")
     assert "--num-gpu-blocks-override" in p.engine_args
     assert "--tensor-parallel-size" not in p.engine_args  # device cpu
+
+
+def test_cpu_threads_follow_the_cpu_request_and_engine_env_wins() -> None:
+    assert (
+        plan_of(with_changes(example("tiny-cpu.yaml"), {"spec.engine.resources.cpu": "2500m"})).engine_env[
+            "OMP_NUM_THREADS"
+        ]
+        == "3"
+    )
+    default = plan_of(with_changes(example("tiny-cpu.yaml"), {"spec.engine.resources": ...}))
+    assert default.engine_env["OMP_NUM_THREADS"] == "2"  # the rendered default request
+    own = [{"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "0-3"}]
+    assert (
+        plan_of(with_changes(example("tiny-cpu.yaml"), {"spec.engine.env": own})).engine_env[
+            "VLLM_CPU_OMP_THREADS_BIND"
+        ]
+        == "0-3"
+    )
 
 
 def test_cpu_pool_from_kv_space_when_no_block_override() -> None:

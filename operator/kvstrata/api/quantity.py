@@ -20,6 +20,11 @@ QUANTITY_PATTERN = r"^(\+)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGT
 
 def quantity_bytes(value: str | int) -> int:
     """Bytes in a Quantity, rounded up (a fractional byte still needs a byte)."""
+    return quantity_units(value)
+
+
+def quantity_units(value: str | int) -> int:
+    """Whole units in a Quantity, rounded up: bytes of a memory size, CPUs of a cpu request."""
     try:
         amount = parse_quantity(value)
     except (ValueError, InvalidOperation, TypeError) as err:

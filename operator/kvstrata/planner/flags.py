@@ -6,7 +6,7 @@ import json
 from typing import TYPE_CHECKING
 
 from kvstrata.api.models import InferenceClusterSpec
-from kvstrata.api.quantity import GIB, quantity_bytes
+from kvstrata.api.quantity import GIB, quantity_bytes, quantity_units
 from kvstrata.planner.constants import (
     HF_HOME,
     KV_EVENTS_PORT,
@@ -14,6 +14,7 @@ from kvstrata.planner.constants import (
     KV_REPLAY_PORT,
     MODEL_MOUNT,
     NVME_MOUNT,
+    engine_cpus,
 )
 
 DEFAULT_CPU_KV_SPACE = 4 * GIB
@@ -127,6 +128,13 @@ def engine_env(spec: InferenceClusterSpec, plan: Plan) -> dict[str, str]:
     if spec.engine.device == "cpu":
         env["VLLM_TARGET_DEVICE"] = "cpu"
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kv_space_bytes(spec) // GIB)
+        # vLLM binds its OpenMP threads to cores it picks from all the container sees; without the
+        # kubelet's static CPU manager that is the whole node, so every engine pod on a node pins the
+        # same cores (seen: three engines on core 0 of two). Unbound, with one thread per requested CPU,
+        # the kernel shares the node by the pods' CPU requests. engine.env overrides both.
+        cpus = engine_cpus("cpu", spec.engine.tensor_parallel_size, spec.engine.resources.cpu)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+        env["OMP_NUM_THREADS"] = str(max(1, quantity_units(cpus)))
     for var in spec.engine.env:
         env[var.name] = var.value
     return env

@@ -18,6 +18,7 @@ from kvstrata.planner.constants import (
     LMCACHE_PORT,
     MODEL_MOUNT,
     NVME_MOUNT,
+    engine_cpus,
 )
 from kvstrata.planner.plan import Plan
 from kvstrata.router.settings import Discovery, RouterSettings, Weights
@@ -120,7 +121,7 @@ def _tokenizer_dir(spec: InferenceClusterSpec) -> str | None:
 def _engine_resources(spec: InferenceClusterSpec, plan: Plan) -> Obj:
     eng = spec.engine
     memory = eng.resources.memory or _mib(plan.memory_bytes)
-    cpu = eng.resources.cpu or (str(4 * eng.tensor_parallel_size) if eng.device == "gpu" else "2")
+    cpu = engine_cpus(eng.device, eng.tensor_parallel_size, eng.resources.cpu)
     requests: Obj = {"cpu": cpu, "memory": memory}
     # Memory limit = request: a pod that outgrows its plan is a planning bug we want to see, not a noisy neighbour.
     limits: Obj = {"memory": memory}

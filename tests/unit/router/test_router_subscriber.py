@@ -31,7 +31,9 @@ def free_port() -> int:
 
 class FakePublisher:
     def __init__(self, ctx: zmq.asyncio.Context) -> None:
-        self.pub = ctx.socket(zmq.PUB)
+        # XPUB (a PUB that also hears subscriptions): the test knows when the SUB has joined, instead of
+        # sleeping for it and losing messages when the machine is slow.
+        self.pub = ctx.socket(zmq.XPUB)
         self.router = ctx.socket(zmq.ROUTER)
         self.events_addr = f"tcp://127.0.0.1:{free_port()}"
         self.replay_addr = f"tcp://127.0.0.1:{free_port()}"
@@ -51,6 +53,10 @@ class FakePublisher:
                     await self.router.send_multipart([client, b"", TOPIC, seq.to_bytes(8, "big"), payload])
             await self.router.send_multipart([client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
 
+    async def subscribed(self) -> None:
+        frame = await asyncio.wait_for(self.pub.recv(), 10)
+        assert frame == b"\x01" + TOPIC, frame
+
     async def publish(self, seq: int, payload: bytes, *, send: bool = True) -> None:
         self.buffer.append((seq, payload))
         if send:
@@ -68,7 +74,7 @@ class FakePublisher:
 async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
     c = zmq.asyncio.Context()
     yield c
-    c.term()
+    c.destroy(linger=0)  # closes what a failed test left open; term() would wait for it forever
 
 
 def expected_blocks(payloads: list[bytes]) -> int:
@@ -110,7 +116,7 @@ async def test_history_gap_and_restart(
         await wait_for(lambda: sub.last_seq == 2)
         assert pub.replay_requests == [0]
         assert len(index) == expected_blocks(payloads[:3])
-        await asyncio.sleep(0.3)  # let the SUB connection settle (slow joiner)
+        await pub.subscribed()
         await pub.publish(3, payloads[3])
         await wait_for(lambda: sub.last_seq == 3)
         # Seq 4..6 never reach the SUB socket: the jump to 7 is a gap, filled by replay from 4.
@@ -146,7 +152,7 @@ async def test_undecodable_messages_are_counted_not_fatal(
     try:
         sub = await start_sub(ctx, pub, index, metrics)
         await wait_for(lambda: pub.replay_requests == [0])
-        await asyncio.sleep(0.3)
+        await pub.subscribed()
         await pub.pub.send_multipart([TOPIC, (0).to_bytes(8, "big"), b"\xc1not msgpack"])
         await pub.publish(0, kv_messages[0][2])
         await wait_for(lambda: sub.last_seq == 0)
