@@ -57,10 +57,9 @@ class BlockIndex:
         self._clock = clock
         # endpoint -> hash -> [mask, prediction expiry (0.0 = none)]; order = least recently touched first
         self._eps: dict[str, OrderedDict[int, list[float]]] = {}
-        # Bounded like the index: if it overflows, the oldest expiries are dropped and lookups remove
-        # those expired entries when they meet them.
         # Min-heap of (expiry, endpoint, hash). Expiries differ per call (a request in flight is predicted
-        # until its first token, then for the short TTL), so a FIFO would not be in expiry order.
+        # until its first token, then for the short TTL), so a FIFO would not be in expiry order. Refreshes
+        # leave stale tuples; past 2 × max_blocks the heap is rebuilt from live predictions.
         self._predictions: list[tuple[float, str, int]] = []
         self._size = 0
         self.evictions = 0
