@@ -22,7 +22,7 @@ from typing import Any
 from bench import engine_metrics as em
 from bench.client import Result, run_conversations
 from bench.procs import BenchError, ProcGroup, bench_main, wait_until
-from bench.report import fmt, machine, mean, percentile, table
+from bench.report import fmt, group_cpu_seconds, machine, mean, percentile, table
 from bench.routers import RouterConfig, Worker, kvstrata_router_available, scrape_router_metrics, start_router
 from bench.workload import WorkloadSpec, build, distinct_blocks, ideal_hit_rate, schedule
 
@@ -128,6 +128,7 @@ class _Round:
     wall_s: float
     ready_s: float
     router_metrics: list[str]
+    router_cpu_s: float
 
 
 def _summarize(name: str, rounds: list[_Round]) -> dict[str, Any]:
@@ -161,6 +162,9 @@ def _summarize(name: str, rounds: list[_Round]) -> dict[str, Any]:
         "wall_s": round(mean([rnd.wall_s for rnd in rounds]) or 0.0, 2),
         "ready_s": round(mean([rnd.ready_s for rnd in rounds]) or 0.0, 2),
         "router_metrics_last_round": rounds[-1].router_metrics,
+        # CPU the router's process group used while the workload ran, per round: on a shared machine it
+        # is CPU the engines did not get.
+        "router_cpu_s": round(mean([rnd.router_cpu_s for rnd in rounds]) or 0.0, 2),
     }
 
 
@@ -319,9 +323,12 @@ def _run_router(
         _reset_caches(engines)
         running = start_router(procs, name, workers, cfg)
         before = [em.parse_counters(e.metrics()) for e in engines]
+        pgid = running.proc.popen.pid  # its own process group (start_new_session)
+        cpu0 = group_cpu_seconds(pgid)
         start = time.monotonic()
         res = asyncio.run(run_conversations(running.url, MODEL, convs, args.max_tokens, args.concurrency))
         wall = time.monotonic() - start
+        router_cpu = group_cpu_seconds(pgid) - cpu0
         after = [em.parse_counters(e.metrics()) for e in engines]
         if not running.proc.alive():
             print(f"  {name} exited during the run; log tail:\n{running.proc.log_tail()}", flush=True)
@@ -332,6 +339,7 @@ def _run_router(
             wall,
             running.ready_seconds,
             scrape_router_metrics(running, metrics_file),
+            router_cpu,
         )
         failed = sum(not r.ok for r in res)
         print(
@@ -365,11 +373,12 @@ def render(payload: dict[str, Any]) -> str:
         "per-engine",
         "max/mean",
         "wall s",
+        "router CPU s",
     ]
     rows = []
     for r in payload["results"]:
         if "problem" in r:
-            rows.append([r["router"], "FAILED", "-", "-", "-", "-", "-", "-", "-", "-", "-"])
+            rows.append([r["router"], "FAILED", *["-"] * 10])
             continue
         t = r["ttft_ms"]
         rows.append(
@@ -385,6 +394,7 @@ def render(payload: dict[str, Any]) -> str:
                 "/".join(str(n) for n in r["per_engine_requests"]),
                 fmt(r["split_max_over_mean"], 2),
                 fmt(r["wall_s"], 0),
+                fmt(r["router_cpu_s"], 1),
             ]
         )
     w, e = payload["workload"], payload["engines"]

@@ -80,7 +80,9 @@ class PrefillCostScorer:
     queued ahead of it. With chunked prefill an engine computes its queue and the new prompt in the same
     steps, so a weight of 1 is the request's own TTFT estimate; a weight below 1 adds what that estimate
     leaves out: the copy made elsewhere costs cache room there and evicts other prefixes, which later
-    requests pay for (at 0.5, `make bench-router` lost 5 % hit rate to such copies)."""
+    requests pay for (at 0.5, `make bench-router` lost 5 % hit rate to such copies). The same weight holds
+    for a prompt no engine holds: counting that queue in full put a third document on an idle engine
+    that already held two (then :class:`CacheRoomScorer` lost by a hair) and it evicted."""
 
     tiers: TierWeights
     block_size: int
@@ -91,9 +93,7 @@ class PrefillCostScorer:
         m = req.matches.get(ep.url)
         credit = credited_blocks(m, self.tiers) if m else 0.0
         own = uncached_tokens(req.prompt_tokens, len(req.hashes), credit, self.block_size)
-        # With nothing cached anywhere there is no copy to avoid: the queue counts in full (TTFT).
-        weight = self.queue_weight if req.matches else 1.0
-        return own + weight * ep.pending_prefill
+        return own + self.queue_weight * ep.pending_prefill
 
     def score(self, req: RouteRequest, eps: Sequence[Endpoint]) -> list[float]:
         costs = [self.cost(req, ep) for ep in eps]

@@ -67,9 +67,9 @@ def test_prefill_cost_counts_uncached_tokens_and_the_queue() -> None:
     )
     assert s.cost(RouteRequest(hashes=[1, 2], matches={"gpu": PrefixMatch(1, gpu=1)}), eps[0]) == 32.0
     assert s.score(RouteRequest(), eps[:2]) == [1.0, 1.0]
-    # A prompt no engine holds: the queue counts in full, so cold prefills spread.
+    # A prompt no engine holds: the same queue weight (cache room, not this prefill, decides placement).
     cold = RouteRequest(hashes=[7, 8], prompt_tokens=64)
-    assert [s.cost(cold, e) for e in eps[2:]] == [64.0, 64.0 + 400.0]
+    assert [s.cost(cold, e) for e in eps[2:]] == [64.0, 64.0 + 200.0]
 
 
 def test_prefill_keeps_a_follow_up_on_its_busy_holder_unless_prefill_queues_there() -> None:
