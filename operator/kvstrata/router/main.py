@@ -4,7 +4,8 @@
     kvstrata router --model tiny --tokenizer ./tiny-llama --block-size 32 \\
         --endpoint http://127.0.0.1:8001,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558
 
-Flags override the config file; ``--endpoint`` (repeatable) replaces its endpoint list with a static one.
+Flags override ``KVSTRATA_ROUTER_<FIELD>`` environment variables, which override the config file;
+``--endpoint`` (repeatable) replaces its endpoint list with a static one.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +92,7 @@ def load_settings(args: argparse.Namespace) -> RouterSettings:
             raise UsageError(f"--config {args.config} is not valid JSON: {exc}") from None
         if not isinstance(data, dict):
             raise UsageError(f"--config {args.config} must hold a JSON object")
+    data.update(env_settings(os.environ, data))
     overrides = {
         "model": args.model,
         "tokenizer": args.tokenizer,
@@ -108,6 +112,30 @@ def load_settings(args: argparse.Namespace) -> RouterSettings:
     if "model" not in data:
         raise UsageError('the served model name is required: --model NAME or "model" in --config')
     return RouterSettings.model_validate(data)
+
+
+ENV_PREFIX = "KVSTRATA_ROUTER_"
+
+
+def env_settings(environ: Mapping[str, str], data: Mapping[str, Any]) -> dict[str, Any]:
+    """Settings from ``KVSTRATA_ROUTER_<FIELD>`` variables (e.g. ``KVSTRATA_ROUTER_QUEUE_WEIGHT=0.5``,
+    ``KVSTRATA_ROUTER_WEIGHTS='{"load": 0.5}'``): over --config, under flags. Values are JSON when they
+    parse as JSON, else strings; the settings model checks them like any other source."""
+    out: dict[str, Any] = {}
+    for name, field in RouterSettings.model_fields.items():
+        raw = environ.get(ENV_PREFIX + name.upper())
+        if raw is None:
+            continue
+        try:
+            value: Any = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        alias = field.alias or name
+        if alias not in data and name in data:
+            out[name] = value  # keep the key spelling --config used, so one source wins, not both
+        else:
+            out[alias] = value
+    return out
 
 
 def _snake(camel: str) -> str:

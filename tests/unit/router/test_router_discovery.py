@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from kvstrata.router.discovery import (
     ApiAccess,
@@ -136,4 +137,22 @@ def test_flags_override_the_config_file(tmp_path: Path) -> None:
         load_settings(_args())
     cfg.write_text("[1]")
     with pytest.raises(UsageError, match="JSON object"):
+        load_settings(_args("--config", str(cfg)))
+
+
+def test_environment_sits_between_the_config_file_and_flags(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = tmp_path / "router.json"
+    cfg.write_text(json.dumps({"model": "m", "blockSize": 64, "queueWeight": 0.5, "weights": {"load": 0.3}}))
+    monkeypatch.setenv("KVSTRATA_ROUTER_QUEUE_WEIGHT", "1")
+    monkeypatch.setenv("KVSTRATA_ROUTER_SCRAPE_INTERVAL_SECONDS", "5")
+    monkeypatch.setenv("KVSTRATA_ROUTER_WEIGHTS", '{"load": 0.9, "cacheRoom": 0}')
+    monkeypatch.setenv("KVSTRATA_ROUTER_BLOCK_SIZE", "16")
+    monkeypatch.setenv("KVSTRATA_ROUTER_SESSION_HEADER", "x-session-id")  # not JSON: taken as a string
+    s = load_settings(_args("--config", str(cfg), "--block-size", "32"))
+    assert (s.queue_weight, s.scrape_interval_seconds, s.weights.load, s.weights.cache_room) == (1, 5, 0.9, 0)
+    assert s.block_size == 32 and s.session_header == "x-session-id"  # the flag wins over the environment
+    monkeypatch.setenv("KVSTRATA_ROUTER_QUEUE_WEIGHT", "-1")
+    with pytest.raises(ValidationError, match=r"queue_?[wW]eight"):
         load_settings(_args("--config", str(cfg)))
