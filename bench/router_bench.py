@@ -269,7 +269,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"engines ready in {engines_ready:.0f} s: {', '.join(e.base_url for e in engines)}", flush=True)
     try:
         workers = [Worker(e.base_url, e.kv_events_endpoint, e.kv_replay_endpoint) for e in engines]
-        cfg = RouterConfig(model=MODEL, tokenizer_dir=model_dir, block_size=args.block_size)
+        cfg = RouterConfig(
+            model=MODEL, tokenizer_dir=model_dir, block_size=args.block_size, log_decisions=True
+        )
         done: dict[str, list[_Round]] = {name: [] for name in routers}
         problems: dict[str, dict[str, Any]] = {}
         with ProcGroup(args.workdir / "logs") as procs:

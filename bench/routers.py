@@ -37,6 +37,9 @@ class RouterConfig:
     model: str
     tokenizer_dir: Path | None
     block_size: int
+    # kvstrata only: one log line per decision, the evidence of why a run hit or missed. Off where the
+    # router's own CPU is measured (bench-proxy): formatting and writing a line per request is not free.
+    log_decisions: bool = False
 
 
 @dataclass(frozen=True)
@@ -122,8 +125,9 @@ def router_argv(
         policy,
         "--log-level",
         "WARNING",  # every router logs at warning level: request logging is not what is measured
-        "--log-decisions",  # one line per request (54 in all): the evidence for why a run hit or missed
     ]
+    if cfg.log_decisions:
+        argv.append("--log-decisions")
     if cfg.tokenizer_dir is not None:
         argv += ["--tokenizer", str(cfg.tokenizer_dir)]
     for w in workers:
