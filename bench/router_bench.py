@@ -250,6 +250,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             skipped[r] = "`kvstrata router --help` does not work yet"
             routers.remove(r)
 
+    if not routers:
+        raise BenchError(f"no router left to run (skipped: {skipped})")
     args.workdir.mkdir(parents=True, exist_ok=True)
     machine_info = machine()
     t0 = time.monotonic()
