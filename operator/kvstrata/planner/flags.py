@@ -121,6 +121,16 @@ def cpu_kv_space_bytes(spec: InferenceClusterSpec) -> int:
     return quantity_bytes(size) if size is not None else DEFAULT_CPU_KV_SPACE
 
 
+def unpinned_omp_env(threads: int) -> dict[str, str]:
+    """Environment for a vLLM CPU engine that shares its machine with other engines.
+
+    vLLM binds its OpenMP threads to cores it picks from all the process sees; without the kubelet's
+    static CPU manager that is the whole node, so every engine on a node pins the same cores (seen:
+    three engines on core 0 of two). Unbound, vLLM no longer lowers torch's thread count, so the count is
+    set too: one thread per CPU the engine may use, and the kernel shares the cores."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(max(1, threads))}
+
+
 def engine_env(spec: InferenceClusterSpec, plan: Plan) -> dict[str, str]:
     env: dict[str, str] = {}
     if spec.model.source.startswith("hf://"):
@@ -128,13 +138,8 @@ def engine_env(spec: InferenceClusterSpec, plan: Plan) -> dict[str, str]:
     if spec.engine.device == "cpu":
         env["VLLM_TARGET_DEVICE"] = "cpu"
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kv_space_bytes(spec) // GIB)
-        # vLLM binds its OpenMP threads to cores it picks from all the container sees; without the
-        # kubelet's static CPU manager that is the whole node, so every engine pod on a node pins the
-        # same cores (seen: three engines on core 0 of two). Unbound, with one thread per requested CPU,
-        # the kernel shares the node by the pods' CPU requests. engine.env overrides both.
         cpus = engine_cpus("cpu", spec.engine.tensor_parallel_size, spec.engine.resources.cpu)
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
-        env["OMP_NUM_THREADS"] = str(max(1, quantity_units(cpus)))
+        env.update(unpinned_omp_env(quantity_units(cpus)))  # engine.env below overrides both
     for var in spec.engine.env:
         env[var.name] = var.value
     return env

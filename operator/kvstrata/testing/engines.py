@@ -22,6 +22,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvstrata.planner.flags import unpinned_omp_env
 from kvstrata.testing.tinymodel import kvstrata_cache
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -551,12 +552,8 @@ def start_engines(
     if n < 1:
         raise ValueError("n must be >= 1")
     if n > 1:
-        # vLLM's auto binding pins each engine's OpenMP threads to the same core (core 0 here, with core 1
-        # reserved), so engines started side by side would share one core and serialize their compute.
-        # Unbound, vLLM no longer lowers torch's thread count, so each engine would spin one OpenMP thread
-        # per core: one thread each, and the OS spreads the engines over the cores.
-        unbound = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
-        kwargs["env"] = {**unbound, **(kwargs.get("env") or {})}
+        # Side by side, vLLM's auto binding would put every engine on the same core.
+        kwargs["env"] = {**unpinned_omp_env(1), **(kwargs.get("env") or {})}
     engines = []
     for i in range(n):
         port = base_port + i if base_port is not None else free_port()
