@@ -7,7 +7,7 @@ import asyncio
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import aiohttp
 
@@ -22,11 +22,13 @@ class Result:
     ttft_s: float | None
     latency_s: float
     error: str | None = None
+    start_s: float = 0.0  # when it was sent, from the start of the run
 
 
 async def _one(
     session: aiohttp.ClientSession, url: str, model: str, prompt: str, max_tokens: int, cid: int, turn: int
 ) -> Result:
+    """One streamed request; ``start_s`` is filled in by the caller."""
     body = {
         "model": model,
         "prompt": prompt,
@@ -86,11 +88,14 @@ async def run_conversations(
     connector = aiohttp.TCPConnector(limit=concurrency * 2)
 
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        t0 = time.perf_counter()
 
         async def conversation(conv: Conversation) -> None:
             for turn, prompt in enumerate(conv.prompts):
                 async with gate:
-                    results.append(await _one(session, url, model, prompt, max_tokens, conv.cid, turn))
+                    sent = time.perf_counter() - t0
+                    res = await _one(session, url, model, prompt, max_tokens, conv.cid, turn)
+                    results.append(replace(res, start_s=sent))
 
         await asyncio.gather(*(conversation(c) for c in convs))
     return results

@@ -155,6 +155,17 @@ def _summarize(name: str, rounds: list[_Round]) -> dict[str, Any]:
         },
         "ttft_ms_first_turn_p50": percentile(first, 50),
         "ttft_ms_later_turns_p50": percentile(later, 50),
+        "ttft_ms_first_turn_mean": mean(first),
+        "ttft_ms_later_turns_mean": mean(later),
+        "ttft_ms_mean_by_round": [
+            mean([r.ttft_s * 1000 for r in rnd.results if r.ok and r.ttft_s is not None]) for rnd in rounds
+        ],
+        # Every request, to compare routers request by request: [round, conversation, turn, sent s, TTFT ms].
+        "requests_detail": [
+            [i, r.cid, r.turn, round(r.start_s, 3), None if r.ttft_s is None else round(r.ttft_s * 1000, 1)]
+            for i, rnd in enumerate(rounds)
+            for r in rnd.results
+        ],
         "latency_ms_p50": percentile([r.latency_s * 1000 for r in ok], 50),
         "per_engine_requests": [int(r.requests) for r in rows],
         "split_max_over_mean": em.split_imbalance(rows),

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from typing import Self
 
 import aiohttp
@@ -94,7 +95,25 @@ class RouterService:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.scraper.scrape_all(), timeout=3)
             self.scraper.start()
+        await self._wait_index_synced(s.index_sync_timeout_seconds)
         self.app = build_app(self.router, self.session)
+
+    async def _wait_index_synced(self, timeout: float) -> None:
+        """Serve only once the index holds what the engines already cached: routing on a half-replayed
+        history sends prompts to engines that cleared or evicted them since (measured in `make
+        bench-router`: a router started on engines with ten rounds of history replayed for ~1.4 s and
+        misrouted its first requests). Past the timeout it serves anyway, on what it has."""
+        pending = [sub.synced.wait() for sub in self.subscribers.values() if not sub.synced.is_set()]
+        if not pending:
+            return
+        began = time.monotonic()
+        try:
+            await asyncio.wait_for(asyncio.gather(*pending), timeout=timeout)
+        except TimeoutError:
+            late = [url for url, sub in self.subscribers.items() if not sub.synced.is_set()]
+            log.warning("KV index not synced after %.0fs for %s; serving anyway", timeout, ", ".join(late))
+        else:
+            log.info("KV index synced from %d engines in %.2fs", len(pending), time.monotonic() - began)
 
     def _on_add(self, ep: Endpoint) -> None:
         log.info("endpoint added: %s (events %s, replay %s)", ep.url, ep.spec.kv_events, ep.spec.kv_replay)

@@ -115,3 +115,9 @@ class RouterSettings(_Wire):
     prefix_hash_blocks: int = Field(1, ge=1, description="prefix-hash policy: blocks that form the hash key")
     max_upstream_connections: int = Field(2048, ge=1, description="Pooled keep-alive connections to engines")
     tokenizer_threads: int = Field(2, ge=1, description="Thread pool for tokenization and hashing")
+    index_sync_timeout_seconds: float = Field(
+        15.0,
+        ge=0,
+        description="At start, wait this long for every engine's KV-event replay before serving: a "
+        "router that routes on a half-replayed history sends prompts to engines that no longer hold them",
+    )

@@ -7,7 +7,8 @@ Sequence rules (the publisher numbers batches 0, 1, 2, ... from its start):
 - a seq not above the last one: a duplicate right after a replay (live and replayed batches overlap),
   otherwise the engine restarted with an empty cache, so its index entries are dropped.
 On start the subscriber replays from 0 to learn what the engine cached before the router came up
-(the engine keeps ``buffer_steps`` batches). ZMQ reconnects TCP on its own with exponential backoff
+(the engine keeps ``buffer_steps`` batches); ``synced`` is set once that first replay is over, whatever
+its result, so the service can hold traffic until the index reflects the engine. ZMQ reconnects TCP on its own with exponential backoff
 (RECONNECT_IVL → RECONNECT_IVL_MAX); socket errors recreate the socket with backoff.
 """
 
@@ -68,6 +69,7 @@ class KvEventSubscriber:
         self.last_seq: int | None = None
         self.applied_batches = 0
         self._replayed_at = 0.0
+        self.synced = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -93,7 +95,15 @@ class KvEventSubscriber:
                 # Learn history first; live batches meanwhile wait in the SUB queue and the
                 # duplicates among them are skipped.
                 if self.last_seq is None and self.replay_addr:
-                    await self._replay(0, None)
+                    began = time.monotonic()
+                    await self._replay(0, None)  # never raises: failures are counted and logged
+                    log.info(
+                        "KV events %s: history replayed up to seq %s in %.2fs",
+                        self.url,
+                        self.last_seq,
+                        time.monotonic() - began,
+                    )
+                self.synced.set()
                 while True:
                     frames = await sock.recv_multipart()
                     await self.handle(frames)

@@ -17,6 +17,8 @@ from kvstrata.router.events import decode_payload
 from kvstrata.router.index import BlockIndex
 from kvstrata.router.metrics import RouterMetrics
 from kvstrata.router.pool import Endpoint, EndpointSpec
+from kvstrata.router.service import RouterService
+from kvstrata.router.settings import RouterSettings
 from kvstrata.router.subscriber import KvEventSubscriber
 
 TOPIC = b"kv-events"
@@ -41,6 +43,7 @@ class FakePublisher:
         self.router.bind(self.replay_addr)
         self.buffer: list[tuple[int, bytes]] = []
         self.replay_requests: list[int] = []
+        self.replay_delay = 0.0  # a slow replay: an engine with a long history on a busy machine
         self._task = asyncio.create_task(self._serve_replay())
 
     async def _serve_replay(self) -> None:
@@ -48,6 +51,7 @@ class FakePublisher:
             client, _, start = await self.router.recv_multipart()
             first = int.from_bytes(start, "big")
             self.replay_requests.append(first)
+            await asyncio.sleep(self.replay_delay)
             for seq, payload in self.buffer:
                 if seq >= first:
                     await self.router.send_multipart([client, b"", TOPIC, seq.to_bytes(8, "big"), payload])
@@ -159,5 +163,72 @@ async def test_undecodable_messages_are_counted_not_fatal(
         assert metrics.kv_event_errors.labels(URL)._value.get() == 1
         assert len(index) == expected_blocks([kv_messages[0][2]])
         await sub.stop()
+    finally:
+        await pub.close()
+
+
+async def test_synced_only_after_the_startup_replay(
+    ctx: zmq.asyncio.Context, kv_messages: list[tuple[bytes, int, bytes]]
+) -> None:
+    payloads = [p for _, _, p in kv_messages]
+    pub = FakePublisher(ctx)
+    pub.replay_delay = 0.5
+    index, metrics = BlockIndex(10**6), RouterMetrics()
+    try:
+        for seq in range(3):
+            await pub.publish(seq, payloads[seq])
+        sub = await start_sub(ctx, pub, index, metrics)
+        await wait_for(lambda: pub.replay_requests == [0])
+        assert not sub.synced.is_set()
+        assert len(index) == 0
+        await asyncio.wait_for(sub.synced.wait(), 5)
+        assert len(index) == expected_blocks(payloads[:3])
+        await sub.stop()
+    finally:
+        await pub.close()
+
+
+def _service(pub: FakePublisher, timeout: float) -> RouterService:
+    settings = RouterSettings.model_validate(
+        {
+            "model": "tiny",
+            "blockSize": 16,
+            "remoteTokenize": False,
+            "indexSyncTimeoutSeconds": timeout,
+            "discovery": {"static": [{"url": URL, "kvEvents": pub.events_addr, "kvReplay": pub.replay_addr}]},
+        }
+    )
+    return RouterService(settings, scrape=False)
+
+
+async def test_service_serves_only_once_the_index_is_replayed(
+    ctx: zmq.asyncio.Context, kv_messages: list[tuple[bytes, int, bytes]]
+) -> None:
+    """A router (re)started next to engines with history must not route on half of it."""
+    payloads = [p for _, _, p in kv_messages]
+    pub = FakePublisher(ctx)
+    pub.replay_delay = 0.5
+    try:
+        for seq in range(5):
+            await pub.publish(seq, payloads[seq])
+        async with _service(pub, timeout=10) as svc:
+            assert svc.router is not None
+            assert len(svc.router.index) == expected_blocks(payloads[:5]) > 0
+    finally:
+        await pub.close()
+
+
+async def test_service_serves_anyway_when_the_replay_is_late(
+    ctx: zmq.asyncio.Context, kv_messages: list[tuple[bytes, int, bytes]]
+) -> None:
+    pub = FakePublisher(ctx)
+    pub.replay_delay = 30.0  # never in time
+    try:
+        await pub.publish(0, kv_messages[0][2])
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        async with _service(pub, timeout=0.3) as svc:
+            assert loop.time() - began < 5
+            assert svc.router is not None and len(svc.router.index) == 0
     finally:
         await pub.close()
