@@ -16,7 +16,7 @@ from kvstrata.router.prompts import (
     TokenizerLoadError,
     chat_template_kwargs,
 )
-from kvstrata.router.requests import BadRequest, parse_request
+from kvstrata.router.requests import BadRequest, ParsedRequest, parse_request
 
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
@@ -126,3 +126,33 @@ def test_parse_request_shapes() -> None:
     with pytest.raises(BadRequest) as exc:
         parse_request(b'{"model":"m","prompt":[]}', "completion", "m")
     assert exc.value.status == 400 and exc.value.body()["error"]["param"] == "prompt"
+
+
+async def test_short_prompts_are_tokenized_inline_long_ones_in_the_pool(tok_dir: Path) -> None:
+    """The thread hop costs more than encoding a short prompt; a long one must not hold the loop."""
+    from kvstrata.router.core import Router
+    from kvstrata.router.hashing import block_hashes
+    from kvstrata.router.metrics import RouterMetrics
+    from kvstrata.router.settings import RouterSettings
+
+    settings = RouterSettings.model_validate({"model": "m", "blockSize": 2, "remoteTokenize": False})
+    tok = LocalTokenizer(tok_dir)
+    router = Router(settings, RouterMetrics(), tokenizer=tok)
+    offloaded: list[object] = []
+    to_pool = router._offload
+
+    async def counting(fn: object, *args: object) -> object:
+        offloaded.append(fn)
+        return await to_pool(fn, *args)
+
+    router._offload = counting  # type: ignore[method-assign]
+    try:
+        for words, pooled in ((3, 0), (400, 1)):  # 53 and 7,199 characters
+            text = " ".join(["hello world there"] * words)
+            req = ParsedRequest("completion", {}, "m", False, text=text)
+            hashes, approximate, n = await router.prompt_hashes(req, [])
+            ids = tok.encode_completion(text)
+            assert (hashes, approximate, n) == (block_hashes(ids, 2), False, len(ids))
+            assert len(offloaded) == pooled
+    finally:
+        router.close()
