@@ -81,6 +81,13 @@ async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
     c.destroy(linger=0)  # closes what a failed test left open; term() would wait for it forever
 
 
+@pytest.fixture
+async def pub(ctx: zmq.asyncio.Context) -> AsyncIterator[FakePublisher]:
+    p = FakePublisher(ctx)
+    yield p
+    await p.close()
+
+
 def expected_blocks(payloads: list[bytes]) -> int:
     idx = BlockIndex(10**6)
     for i, p in enumerate(payloads):
@@ -107,85 +114,73 @@ async def start_sub(
 
 
 async def test_history_gap_and_restart(
-    ctx: zmq.asyncio.Context, kv_messages: list[tuple[bytes, int, bytes]]
+    ctx: zmq.asyncio.Context, pub: FakePublisher, kv_messages: list[tuple[bytes, int, bytes]]
 ) -> None:
     payloads = [p for _, _, p in kv_messages]
-    pub = FakePublisher(ctx)
     index, metrics = BlockIndex(10**6), RouterMetrics()
-    try:
-        # History from before the router started: learnt through the start-up replay.
-        for seq in range(3):
-            await pub.publish(seq, payloads[seq])
-        sub = await start_sub(ctx, pub, index, metrics)
-        await wait_for(lambda: sub.last_seq == 2)
-        assert pub.replay_requests == [0]
-        assert len(index) == expected_blocks(payloads[:3])
-        await pub.subscribed()
-        await pub.publish(3, payloads[3])
-        await wait_for(lambda: sub.last_seq == 3)
-        # Seq 4..6 never reach the SUB socket: the jump to 7 is a gap, filled by replay from 4.
-        for seq in range(4, 7):
-            await pub.publish(seq, payloads[seq], send=False)
-        await pub.publish(7, payloads[7])
-        await wait_for(lambda: sub.last_seq == 7)
-        assert pub.replay_requests == [0, 4]
-        assert metrics.kv_event_gaps.labels(URL)._value.get() == 1
-        assert metrics.kv_event_replays.labels(URL, "ok")._value.get() == 2
-        assert len(index) == expected_blocks(payloads[:8])
-        for seq in range(8, len(payloads)):
-            await pub.publish(seq, payloads[seq])
-        await wait_for(lambda: sub.last_seq == len(payloads) - 1)
-        assert len(index) == expected_blocks(payloads)
-        # The engine restarts: its sequence starts again at 0, and its old blocks are gone.
-        sub._replayed_at = 0.0  # outside the post-replay duplicate window
-        pub.buffer.clear()
-        await pub.publish(0, payloads[0])
-        await wait_for(lambda: sub.last_seq == 0)
-        assert metrics.engine_restarts.labels(URL)._value.get() == 1
-        assert len(index) == expected_blocks(payloads[:1])
-        await sub.stop()
-    finally:
-        await pub.close()
+    # History from before the router started: learnt through the start-up replay.
+    for seq in range(3):
+        await pub.publish(seq, payloads[seq])
+    sub = await start_sub(ctx, pub, index, metrics)
+    await wait_for(lambda: sub.last_seq == 2)
+    assert pub.replay_requests == [0]
+    assert len(index) == expected_blocks(payloads[:3])
+    await pub.subscribed()
+    await pub.publish(3, payloads[3])
+    await wait_for(lambda: sub.last_seq == 3)
+    # Seq 4..6 never reach the SUB socket: the jump to 7 is a gap, filled by replay from 4.
+    for seq in range(4, 7):
+        await pub.publish(seq, payloads[seq], send=False)
+    await pub.publish(7, payloads[7])
+    await wait_for(lambda: sub.last_seq == 7)
+    assert pub.replay_requests == [0, 4]
+    assert metrics.kv_event_gaps.labels(URL)._value.get() == 1
+    assert metrics.kv_event_replays.labels(URL, "ok")._value.get() == 2
+    assert len(index) == expected_blocks(payloads[:8])
+    for seq in range(8, len(payloads)):
+        await pub.publish(seq, payloads[seq])
+    await wait_for(lambda: sub.last_seq == len(payloads) - 1)
+    assert len(index) == expected_blocks(payloads)
+    # The engine restarts: its sequence starts again at 0, and its old blocks are gone.
+    sub._replayed_at = 0.0  # outside the post-replay duplicate window
+    pub.buffer.clear()
+    await pub.publish(0, payloads[0])
+    await wait_for(lambda: sub.last_seq == 0)
+    assert metrics.engine_restarts.labels(URL)._value.get() == 1
+    assert len(index) == expected_blocks(payloads[:1])
+    await sub.stop()
 
 
 async def test_undecodable_messages_are_counted_not_fatal(
-    ctx: zmq.asyncio.Context, kv_messages: list[tuple[bytes, int, bytes]]
+    ctx: zmq.asyncio.Context, pub: FakePublisher, kv_messages: list[tuple[bytes, int, bytes]]
 ) -> None:
-    pub = FakePublisher(ctx)
     index, metrics = BlockIndex(10**6), RouterMetrics()
-    try:
-        sub = await start_sub(ctx, pub, index, metrics)
-        await wait_for(lambda: pub.replay_requests == [0])
-        await pub.subscribed()
-        await pub.pub.send_multipart([TOPIC, (0).to_bytes(8, "big"), b"\xc1not msgpack"])
-        await pub.publish(0, kv_messages[0][2])
-        await wait_for(lambda: sub.last_seq == 0)
-        assert metrics.kv_event_errors.labels(URL)._value.get() == 1
-        assert len(index) == expected_blocks([kv_messages[0][2]])
-        await sub.stop()
-    finally:
-        await pub.close()
+    sub = await start_sub(ctx, pub, index, metrics)
+    await wait_for(lambda: pub.replay_requests == [0])
+    await pub.subscribed()
+    await pub.pub.send_multipart([TOPIC, (0).to_bytes(8, "big"), b"\xc1not msgpack"])
+    await pub.publish(0, kv_messages[0][2])
+    await wait_for(lambda: sub.last_seq == 0)
+    assert metrics.kv_event_errors.labels(URL)._value.get() == 1
+    assert len(index) == expected_blocks([kv_messages[0][2]])
+    await sub.stop()
 
 
 async def test_synced_only_after_the_startup_replay(
-    ctx: zmq.asyncio.Context, kv_messages: list[tuple[bytes, int, bytes]]
+    ctx: zmq.asyncio.Context, pub: FakePublisher, kv_messages: list[tuple[bytes, int, bytes]]
 ) -> None:
     payloads = [p for _, _, p in kv_messages]
-    pub = FakePublisher(ctx)
     pub.replay_delay = 0.5
     index, metrics = BlockIndex(10**6), RouterMetrics()
-    try:
-        for seq in range(3):
-            await pub.publish(seq, payloads[seq])
-        sub = await start_sub(ctx, pub, index, metrics)
-        await wait_for(lambda: pub.replay_requests == [0])
-        assert not sub.synced.is_set()
-        assert len(index) == 0
-        await asyncio.wait_for(sub.synced.wait(), 5)
-        assert len(index) == expected_blocks(payloads[:3])
-        await sub.stop()
-    finally:
-        await pub.close()
+    for seq in range(3):
+        await pub.publish(seq, payloads[seq])
+    sub = await start_sub(ctx, pub, index, metrics)
+    await wait_for(lambda: pub.replay_requests == [0])
+    assert not sub.synced.is_set()
+    assert len(index) == 0
+    await asyncio.wait_for(sub.synced.wait(), 5)
+    assert len(index) == expected_blocks(payloads[:3])
+    await sub.stop()
 
 
 def _service(pub: FakePublisher, timeout: float) -> RouterService:
@@ -202,33 +197,25 @@ def _service(pub: FakePublisher, timeout: float) -> RouterService:
 
 
 async def test_service_serves_only_once_the_index_is_replayed(
-    ctx: zmq.asyncio.Context, kv_messages: list[tuple[bytes, int, bytes]]
+    pub: FakePublisher, kv_messages: list[tuple[bytes, int, bytes]]
 ) -> None:
     """A router (re)started next to engines with history must not route on half of it."""
     payloads = [p for _, _, p in kv_messages]
-    pub = FakePublisher(ctx)
     pub.replay_delay = 0.5
-    try:
-        for seq in range(5):
-            await pub.publish(seq, payloads[seq])
-        async with _service(pub, timeout=10) as svc:
-            assert svc.router is not None
-            assert len(svc.router.index) == expected_blocks(payloads[:5]) > 0
-    finally:
-        await pub.close()
+    for seq in range(5):
+        await pub.publish(seq, payloads[seq])
+    async with _service(pub, timeout=10) as svc:
+        assert svc.router is not None
+        assert len(svc.router.index) == expected_blocks(payloads[:5]) > 0
 
 
 async def test_service_serves_anyway_when_the_replay_is_late(
-    ctx: zmq.asyncio.Context, kv_messages: list[tuple[bytes, int, bytes]]
+    pub: FakePublisher, kv_messages: list[tuple[bytes, int, bytes]]
 ) -> None:
-    pub = FakePublisher(ctx)
     pub.replay_delay = 30.0  # never in time
-    try:
-        await pub.publish(0, kv_messages[0][2])
-        loop = asyncio.get_running_loop()
-        began = loop.time()
-        async with _service(pub, timeout=0.3) as svc:
-            assert loop.time() - began < 5
-            assert svc.router is not None and len(svc.router.index) == 0
-    finally:
-        await pub.close()
+    await pub.publish(0, kv_messages[0][2])
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    async with _service(pub, timeout=0.3) as svc:
+        assert loop.time() - began < 5
+        assert svc.router is not None and len(svc.router.index) == 0
