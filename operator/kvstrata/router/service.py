@@ -111,7 +111,7 @@ class RouterService:
             await asyncio.wait_for(asyncio.gather(*pending), timeout=timeout)
         except TimeoutError:
             late = [url for url, sub in self.subscribers.items() if not sub.synced.is_set()]
-            log.warning("KV index not synced after %.0fs for %s; serving anyway", timeout, ", ".join(late))
+            log.warning("KV index not synced after %.1fs for %s; serving anyway", timeout, ", ".join(late))
         else:
             log.info("KV index synced from %d engines in %.2fs", len(pending), time.monotonic() - began)
 

@@ -8,8 +8,9 @@ Sequence rules (the publisher numbers batches 0, 1, 2, ... from its start):
   otherwise the engine restarted with an empty cache, so its index entries are dropped.
 On start the subscriber replays from 0 to learn what the engine cached before the router came up
 (the engine keeps ``buffer_steps`` batches); ``synced`` is set once that first replay is over, whatever
-its result, so the service can hold traffic until the index reflects the engine. ZMQ reconnects TCP on its own with exponential backoff
-(RECONNECT_IVL → RECONNECT_IVL_MAX); socket errors recreate the socket with backoff.
+its result, so the service can hold traffic until the index reflects the engine. ZMQ reconnects TCP on
+its own with exponential backoff (RECONNECT_IVL → RECONNECT_IVL_MAX); socket errors recreate the socket
+with backoff.
 """
 
 from __future__ import annotations
