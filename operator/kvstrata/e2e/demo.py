@@ -188,7 +188,9 @@ def up(args: argparse.Namespace) -> int:
                 f"applied {args.example.relative_to(REPO) if args.example.is_relative_to(REPO) else args.example}"
             )
             stack.start_launcher()
-            say("starting real vLLM engines for the kwok pods (about 150 s for three on 2 cores) ...")
+            say(
+                "starting real vLLM engines for the kwok pods (about 100 s for three on an idle 2-core machine) ..."
+            )
             shown = [""]
 
             def tick(ic: dict[str, Any]) -> None:
