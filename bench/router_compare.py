@@ -1,0 +1,96 @@
+"""Compare routers across `make bench-router` JSON files, round by round.
+
+One run's pooled TTFT moves by seconds with which prompts share an engine step, so rank routers on
+rounds paired within a run (same engines, same minutes, rotated order):
+
+    python -m bench.router_compare .bench/router.json more-runs/*.json [--against kvstrata/kv-aware]
+
+Prints, per file and router, the engines' uncached prefill rate, the slowest first token of the burst each
+round starts with, and mean TTFT of the burst vs the rest; then, over all files, the per-round difference
+in mean TTFT between ``--against`` and each other router (how often lower, mean ± standard error).
+Needs files written with ``requests_detail`` (since 2026-11-23).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.report import mean
+
+BURST_S = 0.1  # requests sent this soon after a round's start belong to its opening burst
+
+
+def burst_profile(result: dict[str, Any]) -> dict[str, Any]:
+    """Uncached tokens/s, slowest burst TTFT per round (s), mean TTFT of burst vs later requests (ms)."""
+    detail = result["requests_detail"]  # [round, conversation, turn, sent s, TTFT ms]
+    rounds = result["rounds"]
+    queries = sum(e["queries"] for e in result["engines"])
+    hits = sum(e["hits"] for e in result["engines"])
+    timed = [d for d in detail if d[4] is not None]
+    burst = [d for d in timed if d[3] < BURST_S]
+    return {
+        "uncached_tokens_per_s": (queries - hits) / rounds / result["wall_s"] if result["wall_s"] else None,
+        "burst_max_s_by_round": [
+            max((d[4] for d in burst if d[0] == i), default=0.0) / 1000 for i in range(rounds)
+        ],
+        "burst_mean_ms": mean([d[4] for d in burst]),
+        "later_mean_ms": mean([d[4] for d in timed if d[3] >= BURST_S]),
+    }
+
+
+def paired_differences(runs: Sequence[dict[str, Any]], a: str, b: str) -> list[float]:
+    """Per-round mean TTFT of ``a`` minus ``b`` (ms), over every run that has both."""
+    out: list[float] = []
+    for run in runs:
+        by = {r["router"]: r for r in run["results"] if "ttft_ms_mean_by_round" in r}
+        if a in by and b in by:
+            pairs = zip(by[a]["ttft_ms_mean_by_round"], by[b]["ttft_ms_mean_by_round"], strict=False)
+            out += [x - y for x, y in pairs if x is not None and y is not None]
+    return out
+
+
+def summarize(diffs: Sequence[float]) -> tuple[int, int, float, float] | None:
+    """(rounds, rounds where the difference < 0, mean, standard error); None below two rounds."""
+    if len(diffs) < 2:
+        return None
+    m = sum(diffs) / len(diffs)
+    sd = math.sqrt(sum((d - m) ** 2 for d in diffs) / (len(diffs) - 1))
+    return len(diffs), sum(d < 0 for d in diffs), m, sd / math.sqrt(len(diffs))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("files", nargs="+", type=Path)
+    p.add_argument("--against", default="kvstrata/kv-aware", help="the router compared with the others")
+    args = p.parse_args(argv)
+    runs = [json.loads(f.read_text()) for f in args.files]
+    routers: list[str] = []
+    for f, run in zip(args.files, runs, strict=True):
+        print(f"{f}:")
+        for r in run["results"]:
+            if "requests_detail" not in r:
+                continue
+            routers += [r["router"]] if r["router"] not in routers else []
+            b = burst_profile(r)
+            maxima = "/".join(f"{x:.1f}" for x in b["burst_max_s_by_round"])
+            print(
+                f"  {r['router']:28s} uncached {b['uncached_tokens_per_s']:.0f} tok/s  burst max s {maxima}  "
+                f"mean TTFT ms: burst {b['burst_mean_ms']:.0f}, later {b['later_mean_ms']:.0f}"
+            )
+    for other in routers:
+        if other == args.against:
+            continue
+        s = summarize(paired_differences(runs, args.against, other))
+        if s is not None:
+            n, lower, m, se = s
+            print(f"{args.against} - {other}: lower in {lower} of {n} rounds, mean {m:+.0f} ± {se:.0f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
