@@ -155,6 +155,10 @@ class Router:
     async def _offload(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
+    async def _compute(self, inline: bool, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` on the loop when it is cheap (``inline``), else in the pool."""
+        return fn(*args) if inline else await self._offload(fn, *args)
+
     async def prompt_hashes(
         self, req: ParsedRequest, candidates: Sequence[Endpoint]
     ) -> tuple[list[int], bool, int | None]:
@@ -163,10 +167,7 @@ class Router:
         bs = self.settings.block_size
         if req.token_ids is not None:
             ids = req.token_ids
-            if len(ids) <= _INLINE_HASH_BLOCKS * bs:
-                n, hashes = self._hash_tokens(ids)
-            else:
-                n, hashes = await self._offload(self._hash_tokens, ids)
+            n, hashes = await self._compute(len(ids) <= _INLINE_HASH_BLOCKS * bs, self._hash_tokens, ids)
             return hashes, False, n
         if self.tokenizer is not None:
             try:
@@ -175,10 +176,8 @@ class Router:
                     if cached is not None:
                         self._token_cache.move_to_end(req.text)
                         return cached[1], False, cached[0]
-                    if len(req.text) <= _INLINE_TOKENIZE_CHARS:
-                        n, hashes = self._hash_completion(req.text)
-                    else:
-                        n, hashes = await self._offload(self._hash_completion, req.text)
+                    inline = len(req.text) <= _INLINE_TOKENIZE_CHARS
+                    n, hashes = await self._compute(inline, self._hash_completion, req.text)
                     if len(req.text) <= _TOKEN_CACHE_MAX_CHARS:
                         self._token_cache[req.text] = (n, hashes)
                         if len(self._token_cache) > _TOKEN_CACHE_SIZE:
@@ -200,11 +199,7 @@ class Router:
         ):
             ids = await self._remote_tokens(req, candidates)
             if ids is not None:
-                n, hashes = (
-                    self._hash_tokens(ids)
-                    if len(ids) <= _INLINE_HASH_BLOCKS * bs
-                    else await self._offload(self._hash_tokens, ids)
-                )
+                n, hashes = await self._compute(len(ids) <= _INLINE_HASH_BLOCKS * bs, self._hash_tokens, ids)
                 return hashes, False, n
             return await self._fallback(req, "remote_tokenize_failed")
         if self.settings.remote_tokenize and self.session is not None:
@@ -214,9 +209,8 @@ class Router:
     async def _fallback(self, req: ParsedRequest, reason: str) -> tuple[list[int], bool, int | None]:
         self.metrics.fallbacks.labels(reason).inc()
         text = req.routing_text()
-        if len(text) <= _INLINE_CHARS:
-            return char_block_hashes(text, self.chunk_chars), True, None
-        return await self._offload(char_block_hashes, text, self.chunk_chars), True, None
+        hashes = await self._compute(len(text) <= _INLINE_CHARS, char_block_hashes, text, self.chunk_chars)
+        return hashes, True, None
 
     async def _remote_tokens(self, req: ParsedRequest, candidates: Sequence[Endpoint]) -> list[int] | None:
         assert self.session is not None
