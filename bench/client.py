@@ -1,17 +1,20 @@
-"""The router benchmark's client: runs conversations turn by turn with bounded concurrency, streaming each
-request and timing the first content chunk (TTFT)."""
+"""The router benchmark's client: runs conversations turn by turn, either with bounded concurrency (closed
+loop) or on a seeded arrival schedule (open loop), streaming each request and timing the first content
+chunk (TTFT)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import aiohttp
 
-from bench.workload import Conversation
+from bench.workload import Arrival, Conversation
 
 
 @dataclass(frozen=True)
@@ -80,22 +83,36 @@ async def run_conversations(
     max_tokens: int,
     concurrency: int,
     timeout_s: float = 300.0,
+    schedule: Sequence[Arrival] | None = None,
 ) -> list[Result]:
-    """Each conversation sends its turns in order; at most `concurrency` requests are in flight."""
-    gate = asyncio.Semaphore(concurrency)
+    """Each conversation sends its turns in order. Without a ``schedule`` at most ``concurrency`` requests
+    are in flight and a turn goes as soon as a slot is free; with one, conversation i opens at
+    ``schedule[i].start_s`` and each later turn goes its think time after the previous response ended,
+    however many requests are in flight then."""
+    if schedule is not None and len(schedule) < len(convs):
+        raise ValueError(f"schedule has {len(schedule)} arrivals for {len(convs)} conversations")
+    # An open loop must not cap requests in flight anywhere, the connection pool included.
+    gate: contextlib.AbstractAsyncContextManager[Any] = (
+        asyncio.Semaphore(concurrency) if schedule is None else contextlib.nullcontext()
+    )
     results: list[Result] = []
     timeout = aiohttp.ClientTimeout(total=timeout_s)
-    connector = aiohttp.TCPConnector(limit=concurrency * 2)
+    connector = aiohttp.TCPConnector(limit=concurrency * 2 if schedule is None else 0)
 
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         t0 = time.perf_counter()
 
-        async def conversation(conv: Conversation) -> None:
+        async def conversation(conv: Conversation, arrival: Arrival | None) -> None:
+            if arrival is not None:
+                await asyncio.sleep(max(0.0, t0 + arrival.start_s - time.perf_counter()))
             for turn, prompt in enumerate(conv.prompts):
+                if arrival is not None and turn:
+                    await asyncio.sleep(arrival.think_s[turn - 1])
                 async with gate:
                     sent = time.perf_counter() - t0
                     res = await _one(session, url, model, prompt, max_tokens, conv.cid, turn)
                     results.append(replace(res, start_s=sent))
 
-        await asyncio.gather(*(conversation(c) for c in convs))
+        plan = list(schedule) if schedule is not None else [None] * len(convs)
+        await asyncio.gather(*(conversation(c, a) for c, a in zip(convs, plan, strict=False)))
     return results

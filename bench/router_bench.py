@@ -17,14 +17,14 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from bench import engine_metrics as em
 from bench.client import Result, run_conversations
 from bench.procs import BenchError, ProcGroup, bench_main, wait_until
 from bench.report import fmt, group_cpu_seconds, machine, mean, percentile, table
 from bench.routers import RouterConfig, Worker, kvstrata_router_available, scrape_router_metrics, start_router
-from bench.workload import WorkloadSpec, build, distinct_blocks, ideal_hit_rate, schedule
+from bench.workload import Arrival, WorkloadSpec, arrivals, build, distinct_blocks, ideal_hit_rate, schedule
 
 DEFAULT_ROUTERS = (
     "vllm-router/round_robin",
@@ -39,16 +39,19 @@ ENGINES = 3
 # which vLLM 0.32 answers with 403 unless started with --enable-scale-out (seen here: without it every
 # decision is `missing_tokens` and kv_aware degrades to load balancing). The flag only adds endpoints.
 ENGINE_EXTRA_ARGS = ("--enable-scale-out",)
+_Num = TypeVar("_Num", int, float)
 
 
-def _env_int(name: str, default: int) -> int:
+def _env(name: str, default: _Num) -> _Num:
+    """A number from the environment, of the default's type."""
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
     try:
-        return int(raw)
+        return type(default)(raw)
     except ValueError:
-        raise SystemExit(f"bench-router: {name} must be an integer, got {raw!r}") from None
+        kind = "an integer" if isinstance(default, int) else "a number"
+        raise SystemExit(f"bench-router: {name} must be {kind}, got {raw!r}") from None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -59,29 +62,42 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=os.environ.get("BENCH_ROUTERS", ",".join(DEFAULT_ROUTERS)),
         help="comma-separated <impl>/<policy> list, run in this order (default: %(default)s)",
     )
-    p.add_argument("--seed", type=int, default=_env_int("BENCH_SEED", d.seed))
+    p.add_argument("--seed", type=int, default=_env("BENCH_SEED", d.seed))
     p.add_argument(
         "--groups",
         type=int,
-        default=_env_int("BENCH_GROUPS", d.groups),
+        default=_env("BENCH_GROUPS", d.groups),
         help="shared documents (env BENCH_GROUPS)",
     )
     p.add_argument(
         "--conversations",
         type=int,
-        default=_env_int("BENCH_CONVERSATIONS", d.conversations),
+        default=_env("BENCH_CONVERSATIONS", d.conversations),
         help="conversations, spread over the groups (env BENCH_CONVERSATIONS)",
     )
-    p.add_argument("--turns", type=int, default=_env_int("BENCH_TURNS", d.turns), help="env BENCH_TURNS")
-    p.add_argument("--doc-tokens", type=int, default=_env_int("BENCH_DOC_TOKENS", d.doc_tokens))
+    p.add_argument("--turns", type=int, default=_env("BENCH_TURNS", d.turns), help="env BENCH_TURNS")
+    p.add_argument("--doc-tokens", type=int, default=_env("BENCH_DOC_TOKENS", d.doc_tokens))
     p.add_argument("--user-tokens", type=int, default=d.user_tokens)
     p.add_argument("--reply-tokens", type=int, default=d.reply_tokens)
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="tokens generated per request")
     p.add_argument(
         "--concurrency",
         type=int,
-        default=_env_int("BENCH_CONCURRENCY", 6),
+        default=_env("BENCH_CONCURRENCY", 6),
         help="requests in flight at most (env BENCH_CONCURRENCY)",
+    )
+    p.add_argument(
+        "--arrival-rate",
+        type=float,
+        default=_env("BENCH_ARRIVAL_RATE", 0.0),
+        help="open loop: conversations opened per second (Poisson, seeded); 0 = closed loop with "
+        "--concurrency (env BENCH_ARRIVAL_RATE)",
+    )
+    p.add_argument(
+        "--think-s",
+        type=float,
+        default=_env("BENCH_THINK_S", 2.0),
+        help="open loop: mean think time before each later turn, seconds (env BENCH_THINK_S)",
     )
     p.add_argument(
         "--block-size", type=int, default=32, help="engine --block-size (CPU needs a multiple of 32)"
@@ -89,13 +105,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--engine-blocks",
         type=int,
-        default=_env_int("BENCH_ENGINE_BLOCKS", 0),
+        default=_env("BENCH_ENGINE_BLOCKS", 0),
         help="KV blocks per engine (--num-gpu-blocks-override); 0 = 45%% of the working set",
     )
     p.add_argument(
         "--rounds",
         type=int,
-        default=_env_int("BENCH_ROUNDS", 3),
+        default=_env("BENCH_ROUNDS", 3),
         help="times each router runs the workload, in rotated order; figures pool all rounds "
         "(env BENCH_ROUNDS; one round's hit rate moves by several points with timing)",
     )
@@ -236,6 +252,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         convs = schedule(build(spec, count), args.seed)
     except ValueError as exc:
         raise BenchError(str(exc)) from None
+    try:
+        plan = (
+            arrivals(len(convs), spec.turns, args.arrival_rate, args.think_s, args.seed)
+            if args.arrival_rate
+            else None
+        )
+    except ValueError as exc:
+        raise BenchError(str(exc)) from None
     token_lists = [tok.encode(p).ids for c in convs for p in c.prompts]
     # Turn-major order approximates how the conversations interleave under bounded concurrency.
     in_order = [tok.encode(c.prompts[t]).ids for t in range(spec.turns) for c in convs]
@@ -244,7 +268,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     blocks, max_len = _engine_blocks(working_set, longest, args)
     workload_info = {
         **vars(spec),
-        "concurrency": args.concurrency,
+        "concurrency": None if plan else args.concurrency,
+        "arrival_rate": args.arrival_rate or None,
+        "think_s_mean": args.think_s if plan else None,
+        "last_arrival_s": plan[-1].start_s if plan else None,
         "requests": len(token_lists),
         "prompt_tokens_total": sum(len(t) for t in token_lists),
         "longest_prompt_tokens": longest,
@@ -298,7 +325,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     if name in problems:
                         continue
                     print(f"- round {k + 1}/{args.rounds}: {name}", flush=True)
-                    outcome = _run_router(procs, name, workers, cfg, engines, convs, args)
+                    outcome = _run_router(procs, name, workers, cfg, engines, convs, plan, args)
                     if isinstance(outcome, dict):
                         problems[name] = outcome
                     else:
@@ -334,6 +361,7 @@ def _run_router(
     cfg: RouterConfig,
     engines: list[Any],
     convs: list[Any],
+    plan: list[Arrival] | None,
     args: argparse.Namespace,
 ) -> _Round | dict[str, Any]:
     """One round of one router: its raw results, or a problem row."""
@@ -345,7 +373,9 @@ def _run_router(
         pgid = running.proc.popen.pid  # its own process group (start_new_session)
         cpu0 = group_cpu_seconds(pgid)
         start = time.monotonic()
-        res = asyncio.run(run_conversations(running.url, MODEL, convs, args.max_tokens, args.concurrency))
+        res = asyncio.run(
+            run_conversations(running.url, MODEL, convs, args.max_tokens, args.concurrency, schedule=plan)
+        )
         wall = time.monotonic() - start
         router_cpu = group_cpu_seconds(pgid) - cpu0
         after = [em.parse_counters(e.metrics()) for e in engines]
@@ -377,6 +407,15 @@ def _run_router(
 
 def _pct(x: float | None) -> float | None:
     return None if x is None else 100 * x
+
+
+def _arrivals_text(w: dict[str, Any]) -> str:
+    if w.get("arrival_rate"):
+        return (
+            f"open loop ({w['arrival_rate']:g} conversations/s over {w['last_arrival_s']:.0f} s, "
+            f"think {w['think_s_mean']:g} s)"
+        )
+    return f"concurrency {w['concurrency']}"
 
 
 def render(payload: dict[str, Any]) -> str:
@@ -419,7 +458,7 @@ def render(payload: dict[str, Any]) -> str:
     w, e = payload["workload"], payload["engines"]
     lines = [
         f"router benchmark: {w['requests']} requests ({w['conversations']} conversations x {w['turns']} turns, "
-        f"{w['groups']} shared documents) x {payload['rounds']} rounds, concurrency {w['concurrency']}, "
+        f"{w['groups']} shared documents) x {payload['rounds']} rounds, {_arrivals_text(w)}, "
         f"{e['count']} vLLM CPU engines x "
         f"{e['blocks_each']} KV blocks (working set {w['working_set_blocks']} blocks), "
         f"{payload['machine']['cpus']} CPUs (load avg {payload['machine']['loadavg_1m_5m_15m'][0]} at start, "

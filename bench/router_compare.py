@@ -5,8 +5,9 @@ rounds paired within a run (same engines, same minutes, rotated order):
 
     python -m bench.router_compare .bench/router.json more-runs/*.json [--against kvstrata/kv-aware]
 
-Prints, per file and router, the engines' uncached prefill rate, the slowest first token of the burst each
-round starts with, and mean TTFT of the burst vs the rest; then, over all files, the per-round difference
+Prints, per file and router, the engines' uncached prefill rate and, for closed-loop runs, the slowest first
+token of the burst each round starts with and mean TTFT of the burst vs the rest (open loop: first turns vs
+later turns); then, over all files, the per-round difference
 in mean TTFT between ``--against`` and each other router (how often lower, mean ± standard error).
 Needs files written with ``requests_detail`` (since 2026-11-23).
 """
@@ -77,10 +78,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue
             routers += [r["router"]] if r["router"] not in routers else []
             b = burst_profile(r)
-            maxima = "/".join(f"{x:.1f}" for x in b["burst_max_s_by_round"])
+            if run["workload"].get("arrival_rate"):  # open loop: no opening burst
+                split = f"first turns {r['ttft_ms_first_turn_mean']:.0f}, later {r['ttft_ms_later_turns_mean']:.0f}"
+            else:
+                maxima = "/".join(f"{x:.1f}" for x in b["burst_max_s_by_round"])
+                split = (
+                    f"burst {b['burst_mean_ms']:.0f}, later {b['later_mean_ms']:.0f}; burst max s {maxima}"
+                )
             print(
-                f"  {r['router']:28s} uncached {b['uncached_tokens_per_s']:.0f} tok/s  burst max s {maxima}  "
-                f"mean TTFT ms: burst {b['burst_mean_ms']:.0f}, later {b['later_mean_ms']:.0f}"
+                f"  {r['router']:28s} uncached {b['uncached_tokens_per_s']:.0f} tok/s  mean TTFT ms: {split}"
             )
     for other in routers:
         if other == args.against:

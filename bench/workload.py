@@ -99,6 +99,35 @@ def schedule(convs: Sequence[Conversation], seed: int) -> list[Conversation]:
     return order
 
 
+@dataclass(frozen=True)
+class Arrival:
+    """When a conversation opens (seconds from the start) and how long its user thinks before each
+    later turn (seconds after the previous turn's response ended)."""
+
+    start_s: float
+    think_s: tuple[float, ...]
+
+
+def arrivals(conversations: int, turns: int, rate: float, think_mean_s: float, seed: int) -> list[Arrival]:
+    """An open-loop schedule: conversations open as a Poisson process of ``rate`` per second (the first
+    at 0), think times are exponential with mean ``think_mean_s``. Unlike a fixed-concurrency client,
+    a request here is not held back until an earlier one finished, so queueing at a busy engine shows in
+    its TTFT instead of being absorbed by the client (coordinated omission). Pure and seeded: every
+    router and round gets the same schedule."""
+    if rate <= 0:
+        raise ValueError(f"arrival rate must be > 0 conversations/s, got {rate}")
+    if think_mean_s < 0:
+        raise ValueError(f"think time must be >= 0 s, got {think_mean_s}")
+    rng = random.Random(seed + 2)
+    out, t = [], 0.0
+    for i in range(conversations):
+        if i:
+            t += rng.expovariate(rate)
+        think = tuple(rng.expovariate(1 / think_mean_s) if think_mean_s else 0.0 for _ in range(turns - 1))
+        out.append(Arrival(round(t, 3), tuple(round(x, 3) for x in think)))
+    return out
+
+
 def distinct_blocks(token_lists: Sequence[Sequence[int]], block_size: int) -> int:
     """Number of distinct full KV blocks (as prefix-chained keys) over all prompts: the working set."""
     seen: set[object] = set()
