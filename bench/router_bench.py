@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from bench import engine_metrics as em
 from bench.client import Result, run_conversations
+from bench.cpuquota import CpuQuotas, QuotaUnavailable
 from bench.procs import BenchError, ProcGroup, bench_main, wait_until
 from bench.report import fmt, group_cpu_seconds, machine, mean, percentile, table
 from bench.routers import RouterConfig, Worker, kvstrata_router_available, scrape_router_metrics, start_router
@@ -98,6 +99,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=float,
         default=_env("BENCH_THINK_S", 2.0),
         help="open loop: mean think time before each later turn, seconds (env BENCH_THINK_S)",
+    )
+    p.add_argument(
+        "--engine-cpu",
+        type=float,
+        default=_env("BENCH_ENGINE_CPU", 0.0),
+        help="CPU cores each engine may use (a CFS quota per engine, needs root), so that engines behave "
+        "like pods with an accelerator each instead of sharing the machine's cores; 0 = share "
+        "(env BENCH_ENGINE_CPU)",
     )
     p.add_argument(
         "--block-size", type=int, default=32, help="engine --block-size (CPU needs a multiple of 32)"
@@ -222,7 +231,7 @@ def _reset_caches(engines: list[Any]) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from tokenizers import Tokenizer
 
-    from kvstrata.testing.engines import EngineError, start_engines, stop_all, vllm_python
+    from kvstrata.testing.engines import EngineError, group_pids, start_engines, stop_all, vllm_python
     from kvstrata.testing.tinymodel import default_tiny_model_dir, ensure_tiny_model
 
     routers = [r.strip() for r in args.routers.split(",") if r.strip()]
@@ -310,8 +319,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         extra_args=ENGINE_EXTRA_ARGS,
     )
     engines_ready = time.monotonic() - t0
+    quotas = CpuQuotas(args.engine_cpu)
     print(f"engines ready in {engines_ready:.0f} s: {', '.join(e.base_url for e in engines)}", flush=True)
     try:
+        if args.engine_cpu:
+            try:
+                for i, e in enumerate(engines):
+                    quotas.cap(i, group_pids(e.pid))
+            except (QuotaUnavailable, OSError) as exc:
+                raise BenchError(f"--engine-cpu {args.engine_cpu}: {exc}") from None
+            print(f"engines capped at {args.engine_cpu:g} CPU each", flush=True)
         workers = [Worker(e.base_url, e.kv_events_endpoint, e.kv_replay_endpoint) for e in engines]
         cfg = RouterConfig(
             model=MODEL, tokenizer_dir=model_dir, block_size=args.block_size, log_decisions=True
@@ -332,6 +349,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         done[name].append(outcome)
         results = [problems.get(name) or _summarize(name, done[name]) for name in routers]
     finally:
+        quotas.close()
         stop_all(engines)
     return {
         "benchmark": "router",
@@ -345,6 +363,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "model": "tiny generated Llama (dummy weights)",
             "vllm": "0.32.0 CPU",
             "extra_args": list(ENGINE_EXTRA_ARGS),
+            "cpu_each": args.engine_cpu or None,
         },
         "workload": workload_info,
         "rounds": args.rounds,
@@ -459,7 +478,8 @@ def render(payload: dict[str, Any]) -> str:
     lines = [
         f"router benchmark: {w['requests']} requests ({w['conversations']} conversations x {w['turns']} turns, "
         f"{w['groups']} shared documents) x {payload['rounds']} rounds, {_arrivals_text(w)}, "
-        f"{e['count']} vLLM CPU engines x "
+        f"{e['count']} vLLM CPU engines"
+        f"{' capped at ' + format(e['cpu_each'], 'g') + ' CPU' if e.get('cpu_each') else ''} x "
         f"{e['blocks_each']} KV blocks (working set {w['working_set_blocks']} blocks), "
         f"{payload['machine']['cpus']} CPUs (load avg {payload['machine']['loadavg_1m_5m_15m'][0]} at start, "
         f"{payload['machine']['loadavg_at_end'][0]} at end); ceiling hit rate {100 * w['ideal_hit_rate']:.1f}%; "
