@@ -33,6 +33,7 @@ from kvstrata.router.scoring import (
     PrefillCostScorer,
     PrefixScorer,
     Ranked,
+    RecentScorer,
     RouteRequest,
     Scorer,
     SessionScorer,
@@ -114,6 +115,7 @@ class Router:
             (LoadScorer(), w.load),
             (KvUsageScorer(), w.kv_usage),
             (CacheRoomScorer(), w.cache_room),
+            (RecentScorer(settings.recent_window_seconds), w.recent),
             (SessionScorer(), w.session if settings.session_header else 0.0),
         ]
         self.bounded = BoundedLoadFilter(settings.bounded_load_factor, settings.bounded_load_slack)
@@ -294,7 +296,9 @@ class Router:
         matches = (self.approx if approximate else self.index).lookup(hashes)
         tie_key = hashes[0].to_bytes(8, "big") if hashes else self._prefix_key(req)
         room = {} if matches or approximate else {ep.url: self.index.blocks_of(ep.url) for ep in eps}
-        rreq = RouteRequest(hashes, matches, tie_key, session_id, approximate, room, n_tokens)
+        rreq = RouteRequest(
+            hashes, matches, tie_key, session_id, approximate, room, n_tokens, time.monotonic()
+        )
         kept = self.bounded.filter(rreq, eps)
         ranked = pick(rreq, kept, self.scorers)
         order = [r.endpoint for r in ranked]
@@ -336,6 +340,8 @@ class Router:
         if best and win.scores.get("prefill") == 1.0:
             # The holder scored lower on prefill cost: the prefill queued there outweighed the match.
             return "queue"
+        if len(ranked) > 1 and self._recent_decided(win, ranked[1]):
+            return "recent"
         room = win.scores.get("cache_room", 0.0)
         if room > 0 and len(ranked) > 1 and ranked[1].scores.get("cache_room", 0.0) < room:
             return "cache-room"
@@ -343,12 +349,20 @@ class Router:
             return "load"
         return "tie-hash"
 
+    def _recent_decided(self, win: Ranked, second: Ranked) -> bool:
+        """The winner had fewer recent requests, and without them it would not be ahead."""
+        w = self.settings.weights.recent
+        mine, theirs = win.scores.get("recent", 0.0), second.scores.get("recent", 0.0)
+        return mine > theirs and second.total - w * theirs >= win.total - w * mine - 1e-9
+
     def commit(self, decision: Decision, ep: Endpoint) -> None:
-        """Called when a request is sent to ``ep``: its prompt blocks will be cached there.
+        """Called when a request is sent to ``ep``: it counts as recent traffic there, and its prompt
+        blocks will be cached there.
 
         The prediction holds until the request's prefill is over (:meth:`settle`): under load a prefill
         can outlast any fixed TTL, and a prediction that expires first sends the next request of the same
         prefix elsewhere, which recomputes it (seen in `make bench-router` at TTFT > 5 s)."""
+        ep.routed(time.monotonic(), self.settings.recent_window_seconds)
         if not decision.hashes:
             return
         if decision.approximate:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -29,6 +30,9 @@ class Endpoint:
     failures: int = 0
     scraped: bool = False
     extra: dict[str, object] = field(default_factory=dict)
+    # Requests sent here, each fading with time (see :meth:`routed`); ``recent_at`` is the last update.
+    recent: float = 0.0
+    recent_at: float = 0.0
 
     @property
     def url(self) -> str:
@@ -41,6 +45,19 @@ class Endpoint:
         The engine's running count includes our in-flight requests, so take the larger of the two
         views rather than the sum (the scrape lags; in-flight is exact for this router)."""
         return max(float(self.in_flight), self.running) + self.waiting
+
+    def recent_requests(self, now: float, window_s: float) -> float:
+        """Requests sent here lately, each weighing exp(-age / window_s)."""
+        return faded(self.recent, now - self.recent_at, window_s)
+
+    def routed(self, now: float, window_s: float) -> None:
+        self.recent = self.recent_requests(now, window_s) + 1.0
+        self.recent_at = now
+
+
+def faded(value: float, age_s: float, window_s: float) -> float:
+    """``value`` after ``age_s`` seconds of exponential decay with time constant ``window_s``."""
+    return value * math.exp(-max(age_s, 0.0) / window_s) if window_s > 0 else 0.0
 
 
 class PrefillTicket:

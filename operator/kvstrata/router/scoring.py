@@ -30,6 +30,8 @@ class RouteRequest:
     cached_blocks: dict[str, int] = field(default_factory=dict)
     # Prompt length in tokens when the router tokenized it (None for character-block fallbacks).
     prompt_tokens: int | None = None
+    # When the decision is made (monotonic seconds): scorers that weigh history by age read it.
+    now: float = 0.0
 
 
 class Scorer(Protocol):
@@ -147,6 +149,26 @@ class CacheRoomScorer:
         blocks = [req.cached_blocks.get(ep.url, 0) for ep in eps]
         most = max(blocks, default=0)
         return [1.0 - b / (most + 1) for b in blocks]
+
+
+@dataclass(frozen=True, slots=True)
+class RecentScorer:
+    """Fewer requests sent lately scores higher: a forecast of the follow-ups an engine will get.
+
+    With prefix affinity, conversations stay where their prefix is, so an engine that served many
+    requests in the last ``window_s`` seconds will soon get their next turns; a prompt placed there that
+    needs a long prefill makes each of them wait for it. In-flight and queue counts miss this between
+    turns (the user is reading), which is when a new document gets placed (measured in the open-loop
+    `make bench-router`: the cold document went to the engine with two live conversations instead of
+    the one with one, whose last request was still decoding). Follow-ups are decided by their prefix."""
+
+    window_s: float
+    name: str = "recent"
+
+    def score(self, req: RouteRequest, eps: Sequence[Endpoint]) -> list[float]:
+        recent = [ep.recent_requests(req.now, self.window_s) for ep in eps]
+        most = max(recent, default=0.0)
+        return [1.0 - r / (most + 1.0) for r in recent]
 
 
 @dataclass(frozen=True, slots=True)

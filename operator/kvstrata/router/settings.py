@@ -51,6 +51,9 @@ class Weights(_Wire):
     cache_room: float = Field(
         1.0, ge=0, description="A prompt no engine holds goes where the router's index holds fewest blocks"
     )
+    recent: float = Field(
+        0.3, ge=0, description="Fewer requests sent lately (live conversations that will send follow-ups)"
+    )
 
 
 class TierWeights(_Wire):
@@ -84,6 +87,12 @@ class RouterSettings(_Wire):
         ge=0,
         description="...or more than mean + this many in-flight requests, whichever is larger: at low "
         "concurrency a factor alone spills a prefix group onto engines that miss",
+    )
+    recent_window_seconds: float = Field(
+        10.0,
+        gt=0,
+        description="Recent scorer: a request sent to an engine counts exp(-age / this) (about one "
+        "think time plus answer of a chat turn)",
     )
     session_header: str | None = Field(
         None, description="Optional header for session affinity, e.g. x-session-id"

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from kvstrata.router.core import Router
 from kvstrata.router.index import BlockIndex, PrefixMatch
 from kvstrata.router.metrics import RouterMetrics
-from kvstrata.router.pool import Endpoint, EndpointSpec, PrefillTicket
+from kvstrata.router.pool import Endpoint, EndpointSpec, PrefillTicket, faded
 from kvstrata.router.requests import parse_request
 from kvstrata.router.scoring import (
     BoundedLoadFilter,
@@ -16,6 +18,7 @@ from kvstrata.router.scoring import (
     LoadScorer,
     PrefillCostScorer,
     PrefixScorer,
+    RecentScorer,
     RouteRequest,
     SessionScorer,
     pick,
@@ -155,6 +158,42 @@ def test_cache_room_sends_an_unknown_prompt_to_the_emptiest_cache() -> None:
     assert CacheRoomScorer().score(held, eps) == [0.0, 0.0, 0.0]
 
 
+def test_recent_requests_fade_with_age() -> None:
+    e = ep("a")
+    e.routed(100.0, 10.0)
+    e.routed(100.0, 10.0)
+    assert e.recent_requests(100.0, 10.0) == 2.0
+    assert e.recent_requests(110.0, 10.0) == pytest.approx(2 / 2.718281828, rel=1e-6)
+    e.routed(110.0, 10.0)  # the old ones have faded, the new one counts in full
+    assert e.recent_requests(110.0, 10.0) == pytest.approx(1 + 2 / 2.718281828, rel=1e-6)
+    assert faded(5.0, -3.0, 10.0) == 5.0  # clock skew never inflates
+    assert faded(5.0, 1.0, 0.0) == 0.0
+
+
+def test_recent_scorer_prefers_the_engine_with_fewer_live_conversations() -> None:
+    eps = [ep("busy"), ep("quiet"), ep("new")]
+    for url, times in (("busy", [1.0, 2.0, 3.0]), ("quiet", [0.0])):
+        for t in times:
+            next(e for e in eps if e.url == url).routed(t, 10.0)
+    scores = RecentScorer(10.0).score(RouteRequest(now=3.0), eps)
+    assert scores[2] == 1.0 and scores[0] < scores[1] < scores[2]
+
+
+def test_a_new_document_goes_where_fewer_follow_ups_are_coming_with_default_weights() -> None:
+    """The case measured in the open-loop bench: the emptiest-looking engine still decodes its one
+    conversation's last answer (one in flight), another has two conversations between turns."""
+    r = _router("kv-aware")
+    a, b, c = r.pool.all()
+    for e, sent in ((a, [0.0, 2.1, 6.6, 8.1]), (b, [4.1]), (c, [0.4, 5.3])):
+        for t in sent:
+            e.routed(t, r.settings.recent_window_seconds)
+    b.in_flight = 1
+    req = RouteRequest(hashes=[7], tie_key=b"doc", cached_blocks={a.url: 64, b.url: 52, c.url: 56}, now=8.6)
+    assert pick(req, [a, b, c], r.scorers)[0].endpoint is b
+    without = [(s, w) for s, w in r.scorers if s.name != "recent"]
+    assert pick(req, [a, b, c], without)[0].endpoint is c  # what it did before
+
+
 def test_picker_combines_weighted_scores() -> None:
     eps = [ep("busy-holder", in_flight=4), ep("idle")]
     req = RouteRequest(hashes=[1, 2], matches={"busy-holder": PrefixMatch(2, gpu=2)}, tie_key=b"k")
@@ -230,6 +269,25 @@ async def test_kv_aware_reasons_and_predictions() -> None:
     assert d5.reason == "queue" and d5.order[0] is not d.order[0]
     # 12 tokens: all 3 blocks cached at the holder, yet the last token is always computed.
     assert d5.uncached_tokens(d5.order[0], 4) == 12 and d5.uncached_tokens(d.order[0], 4) == 1
+
+
+async def test_kv_aware_says_when_recent_traffic_decided() -> None:
+    r = _router("kv-aware")
+    eps = r.pool.all()
+    for busiest in (eps[0], eps[2]):
+        for e in eps:
+            e.recent, e.recent_at = 0.0, 0.0
+        now = time.monotonic()
+        for e, n in zip(eps, (2, 1, 2) if busiest is eps[0] else (2, 2, 1), strict=True):
+            for _ in range(n):
+                e.routed(now, r.settings.recent_window_seconds)
+        d = await r.decide(_req([100, 101, 102, 103]))  # no engine holds it
+        quiet = min(eps, key=lambda e: e.recent)
+        assert d.order[0] is quiet and d.reason == "recent"
+    window = r.settings.recent_window_seconds
+    before = d.order[0].recent_requests(time.monotonic(), window)
+    r.commit(d, d.order[0])
+    assert d.order[0].recent_requests(time.monotonic(), window) > before + 0.9  # sending counts
 
 
 async def test_prediction_holds_until_the_prefill_is_over() -> None:
