@@ -68,6 +68,8 @@ class Decision:
     matches: dict[str, PrefixMatch] = field(default_factory=dict)
     prompt_tokens: int | None = None
     ranked: list[Ranked] | None = None
+    # False for requests forwarded without routing (/tokenize, /v1/models): not conversation traffic.
+    routed: bool = True
 
     def predicted_cached_tokens(self, ep: Endpoint, block_size: int) -> int:
         if self.approximate:
@@ -362,7 +364,8 @@ class Router:
         The prediction holds until the request's prefill is over (:meth:`settle`): under load a prefill
         can outlast any fixed TTL, and a prediction that expires first sends the next request of the same
         prefix elsewhere, which recomputes it (seen in `make bench-router` at TTFT > 5 s)."""
-        ep.routed(time.monotonic(), self.settings.recent_window_seconds)
+        if decision.routed:
+            ep.routed(time.monotonic(), self.settings.recent_window_seconds)
         if not decision.hashes:
             return
         if decision.approximate:

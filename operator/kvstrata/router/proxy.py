@@ -123,7 +123,7 @@ class Proxy:
             return json_error(503, "no engine endpoints are known to the router", code="no_endpoints")
         raw = await request.read()
         order = sorted(eps, key=lambda ep: ep.load)
-        return await self._forward(request, raw, Decision(order, "passthrough"), stream=False)
+        return await self._forward(request, raw, Decision(order, "passthrough", routed=False), stream=False)
 
     async def _forward(
         self, request: web.Request, raw: bytes, decision: Decision, *, stream: bool
@@ -288,11 +288,13 @@ class Proxy:
     async def state(self, request: web.Request) -> web.Response:
         """What the router believes about each endpoint: health, load, indexed blocks (for debugging)."""
         router = self.router
+        now = time.monotonic()
         endpoints = {
             ep.url: {
                 "healthy": ep.healthy,
                 "inFlight": ep.in_flight,
                 "pendingPrefillTokens": ep.pending_prefill,
+                "recentRequests": round(ep.recent_requests(now, router.settings.recent_window_seconds), 3),
                 "running": ep.running,
                 "waiting": ep.waiting,
                 "kvUsage": ep.kv_usage,

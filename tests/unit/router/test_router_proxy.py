@@ -385,6 +385,11 @@ async def test_decision_headers_metrics_and_passthrough(
     assert 'kvstrata_router_decisions_total{reason="approx-prefix"} 1.0' in metrics
     assert "kvstrata_router_affinity_share 0.5" in metrics
     assert "kvstrata_router_actual_cached_tokens_total 14.0" in metrics
+    async with h.client.get(h.base + "/kvstrata/state") as resp:
+        state = (await resp.json())["endpoints"]
+    # Both routed requests went to `first` (seconds ago): they count as recent traffic there only.
+    assert 1.9 < state[first]["recentRequests"] <= 2.0
+    assert state[b.url if first == a.url else a.url]["recentRequests"] == 0.0
 
 
 async def test_remote_tokenize_gives_engine_hashes(
