@@ -7,7 +7,7 @@ unused. A CFS quota per engine (cgroup v1 ``cpu`` controller, or cgroup v2) give
 share whatever the others do, which is that situation in small.
 
 Needs a writable cgroup ``cpu`` hierarchy (root on this machine); :func:`cgroup_root` says where, or why
-not, and the benchmark then runs unconstrained and says so.
+not (the benchmark then stops with that reason rather than run uncapped).
 """
 
 from __future__ import annotations

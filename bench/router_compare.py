@@ -69,7 +69,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("files", nargs="+", type=Path)
     p.add_argument("--against", default="kvstrata/kv-aware", help="the router compared with the others")
     args = p.parse_args(argv)
-    runs = [json.loads(f.read_text()) for f in args.files]
+    try:
+        runs = [json.loads(f.read_text()) for f in args.files]
+    except (OSError, ValueError) as exc:
+        p.error(f"cannot read a bench-router JSON: {exc}")
     routers: list[str] = []
     for f, run in zip(args.files, runs, strict=True):
         print(f"{f}:")
