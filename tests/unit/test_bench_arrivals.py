@@ -12,6 +12,7 @@ import pytest
 from aiohttp import web
 from bench.client import run_conversations
 from bench.workload import Conversation, arrivals
+from helpers import serve
 
 
 def test_arrivals_are_seeded_poisson_with_the_first_at_zero() -> None:
@@ -51,11 +52,7 @@ async def slow_engine() -> AsyncIterator[tuple[str, list[float]]]:
 
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, port = await serve(app)
     try:
         yield f"http://127.0.0.1:{port}", arrived
     finally:

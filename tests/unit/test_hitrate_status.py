@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from helpers import serve
 from prometheus_client import generate_latest
 
 from kvstrata.api.models import CacheStatus
@@ -86,11 +87,7 @@ class MetricsServers:
             return web.Response(text=self.texts[port], content_type="text/plain")
 
         app.router.add_get("/metrics", handler)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        runner, port = await serve(app)
         self.texts[port] = text
         self.runners.append(runner)
         assert key == len(self.runners) - 1
