@@ -177,6 +177,12 @@ def test_recent_scorer_prefers_the_engine_with_fewer_live_conversations() -> Non
             next(e for e in eps if e.url == url).routed(t, 10.0)
     scores = RecentScorer(10.0).score(RouteRequest(now=3.0), eps)
     assert scores[2] == 1.0 and scores[0] < scores[1] < scores[2]
+    # A prompt some engine holds is the prefix scores' business: a follow-up must not leave its holder
+    # for an engine that holds less of it because the holder is busy with its conversations.
+    held = RouteRequest(
+        hashes=[1, 2], matches={"busy": PrefixMatch(2, gpu=2), "quiet": PrefixMatch(1, gpu=1)}, now=3.0
+    )
+    assert RecentScorer(10.0).score(held, eps) == [0.0, 0.0, 0.0]
 
 
 def test_a_new_document_goes_where_fewer_follow_ups_are_coming_with_default_weights() -> None:
