@@ -326,7 +326,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             try:
                 for i, e in enumerate(engines):
                     quotas.cap(i, group_pids(e.pid))
-            except (QuotaUnavailable, OSError) as exc:
+            except (QuotaUnavailable, OSError, ValueError) as exc:
                 raise BenchError(f"--engine-cpu {args.engine_cpu}: {exc}") from None
             print(f"engines capped at {args.engine_cpu:g} CPU each", flush=True)
         workers = [Worker(e.base_url, e.kv_events_endpoint, e.kv_replay_endpoint) for e in engines]
