@@ -1,15 +1,17 @@
 """Compare routers across `make bench-router` JSON files, round by round.
 
-One run's pooled TTFT moves by seconds with which prompts share an engine step, so rank routers on
-rounds paired within a run (same engines, same minutes, rotated order):
+One run's pooled TTFT moves by seconds with which prompts share an engine step, so compare routers on
+rounds paired within a run (same engines, same minutes, rotated order). Rounds of one seed replay nearly
+the same arrivals and decisions, so they are not independent samples: pass runs of several seeds
+(``BENCH_SEED``) before reading the standard error as one.
 
     python -m bench.router_compare .bench/router.json more-runs/*.json [--against kvstrata/kv-aware]
 
-Prints, per file and router, the engines' uncached prefill rate and, for closed-loop runs, the slowest first
-token of the burst each round starts with and mean TTFT of the burst vs the rest (open loop: first turns vs
-later turns); then, over all files, the per-round difference
-in mean TTFT between ``--against`` and each other router (how often lower, mean ± standard error).
-Needs files written with ``requests_detail`` (since 2026-11-23).
+Prints, per file and router, the engines' uncached prefill rate and, for closed-loop runs, the slowest
+first token of the burst each round starts with and mean TTFT of the burst vs the rest (open loop: first
+turns vs later turns); then, over all files, the per-round difference in mean TTFT between ``--against``
+and each other router (how often lower, mean ± standard error). Needs files written with
+``requests_detail`` (since 2026-11-23).
 """
 
 from __future__ import annotations
