@@ -1,11 +1,13 @@
 """`make bench-router`: cache hit rate and TTFT of each router in front of three real vLLM CPU engines.
 
 Three engines on the tiny generated model start once, with KV events on and a KV cache capped so that
-the three together hold the workload's working set but one alone does not. One seeded shared-prefix,
-multi-turn workload (bench/workload.py) then runs through each router in turn, on the same engines,
-with every engine's prefix cache reset before each router. The hit rate comes from the engines' own
-counters (`vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`, deltas summed over engines),
-TTFT from the client (streaming, time to the first content chunk).
+the three together hold the workload's working set but one alone does not. A shared-prefix, multi-turn
+workload (bench/workload.py) then runs through each router in turn, on the same engines, once per seed
+(a round), with every engine's prefix cache reset before each router. By default the client is open
+loop (users arrive and think on a seeded schedule) and each engine gets a fixed CPU share when cgroups
+allow it, which is how a cluster of engine pods with an accelerator each behaves. The hit rate comes
+from the engines' own counters (`vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`,
+deltas summed over engines), TTFT from the client (streaming, time to the first content chunk).
 """
 
 from __future__ import annotations
@@ -21,11 +23,20 @@ from typing import Any, TypeVar
 
 from bench import engine_metrics as em
 from bench.client import Result, run_conversations
-from bench.cpuquota import CpuQuotas, QuotaUnavailable
+from bench.cpuquota import CpuQuotas, QuotaUnavailable, cgroup_root
 from bench.procs import BenchError, ProcGroup, bench_main, wait_until
 from bench.report import fmt, group_cpu_seconds, machine, mean, percentile, table
 from bench.routers import RouterConfig, Worker, kvstrata_router_available, scrape_router_metrics, start_router
-from bench.workload import Arrival, WorkloadSpec, arrivals, build, distinct_blocks, ideal_hit_rate, schedule
+from bench.workload import (
+    Arrival,
+    Conversation,
+    WorkloadSpec,
+    arrivals,
+    build,
+    distinct_blocks,
+    ideal_hit_rate,
+    schedule,
+)
 
 DEFAULT_ROUTERS = (
     "vllm-router/round_robin",
@@ -40,6 +51,11 @@ ENGINES = 3
 # which vLLM 0.32 answers with 403 unless started with --enable-scale-out (seen here: without it every
 # decision is `missing_tokens` and kv_aware degrades to load balancing). The flag only adds endpoints.
 ENGINE_EXTRA_ARGS = ("--enable-scale-out",)
+# Rounds of one seed replay nearly the same arrivals and routing decisions, so they are not independent
+# samples (seen in session 4's decision logs); every round gets its own seed instead.
+DEFAULT_SEEDS = "7,11,12,13,14"
+# Three engines at 0.6 CPU leave 0.2 of the two cores to the router and the client.
+AUTO_ENGINE_CPU = 0.6
 _Num = TypeVar("_Num", int, float)
 
 
@@ -63,7 +79,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=os.environ.get("BENCH_ROUTERS", ",".join(DEFAULT_ROUTERS)),
         help="comma-separated <impl>/<policy> list, run in this order (default: %(default)s)",
     )
-    p.add_argument("--seed", type=int, default=_env("BENCH_SEED", d.seed))
+    p.add_argument(
+        "--seeds",
+        type=_seeds,
+        default=os.environ.get("BENCH_SEEDS") or os.environ.get("BENCH_SEED") or DEFAULT_SEEDS,
+        help="comma-separated workload seeds, one round each (env BENCH_SEEDS; BENCH_SEED=N is one seed; "
+        "default %(default)s)",
+    )
     p.add_argument(
         "--groups",
         type=int,
@@ -90,9 +112,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--arrival-rate",
         type=float,
-        default=_env("BENCH_ARRIVAL_RATE", 0.0),
+        default=_env("BENCH_ARRIVAL_RATE", 0.4),
         help="open loop: conversations opened per second (Poisson, seeded); 0 = closed loop with "
-        "--concurrency (env BENCH_ARRIVAL_RATE)",
+        "--concurrency (env BENCH_ARRIVAL_RATE, default %(default)s)",
     )
     p.add_argument(
         "--think-s",
@@ -102,11 +124,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--engine-cpu",
-        type=float,
-        default=_env("BENCH_ENGINE_CPU", 0.0),
+        type=_engine_cpu,
+        default=os.environ.get("BENCH_ENGINE_CPU") or "auto",
         help="CPU cores each engine may use (a CFS quota per engine, needs root), so that engines behave "
-        "like pods with an accelerator each instead of sharing the machine's cores; 0 = share "
-        "(env BENCH_ENGINE_CPU)",
+        f"like pods with an accelerator each instead of sharing the machine's cores; 0 = share; auto = "
+        f"{AUTO_ENGINE_CPU} where cgroups are writable, else share and say so (env BENCH_ENGINE_CPU, "
+        "default %(default)s)",
     )
     p.add_argument(
         "--block-size", type=int, default=32, help="engine --block-size (CPU needs a multiple of 32)"
@@ -120,13 +143,50 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--rounds",
         type=int,
-        default=_env("BENCH_ROUNDS", 3),
-        help="times each router runs the workload, in rotated order; figures pool all rounds "
-        "(env BENCH_ROUNDS; one round's hit rate moves by several points with timing)",
+        default=_env("BENCH_ROUNDS", 1),
+        help="times each router runs each seed's workload, in rotated order; figures pool all rounds "
+        "(env BENCH_ROUNDS)",
     )
     p.add_argument("--out", type=Path, default=Path(".bench/router.json"))
     p.add_argument("--workdir", type=Path, default=Path(".bench/router"))
     return p.parse_args(argv)
+
+
+def _seeds(raw: str) -> list[int]:
+    try:
+        seeds = [int(x) for x in raw.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"seeds must be comma-separated integers, got {raw!r}") from None
+    if not seeds:
+        raise argparse.ArgumentTypeError("give at least one seed")
+    if len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"seeds repeat in {raw!r}: repeat rounds with --rounds instead")
+    return seeds
+
+
+def _engine_cpu(raw: str) -> float | None:
+    """Cores per engine; None for auto."""
+    if raw == "auto":
+        return None
+    try:
+        cores = float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of cores or auto, got {raw!r}") from None
+    if cores < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 = share the cores), got {raw!r}")
+    return cores
+
+
+def resolve_engine_cpu(requested: float | None) -> tuple[float, str | None]:
+    """(cores per engine, 0 = shared; why auto did not cap). An explicit request is not checked here:
+    capping then fails loudly rather than run uncapped under a capped label."""
+    if requested is not None:
+        return requested, None
+    try:
+        cgroup_root()
+    except QuotaUnavailable as exc:
+        return 0.0, str(exc)
+    return AUTO_ENGINE_CPU, None
 
 
 def _engine_blocks(working_set: int, longest_prompt: int, args: argparse.Namespace) -> tuple[int, int]:
@@ -146,14 +206,92 @@ def _engine_blocks(working_set: int, longest_prompt: int, args: argparse.Namespa
     return blocks, max_len
 
 
+@dataclass(frozen=True)
+class _Workload:
+    """One seed's conversations, their schedule (None = closed loop) and what the header reports."""
+
+    seed: int
+    convs: list[Conversation]
+    plan: list[Arrival] | None
+    info: dict[str, Any]
+
+
+def _workload(seed: int, args: argparse.Namespace, tok: Any) -> _Workload:
+    spec = WorkloadSpec(
+        seed=seed,
+        groups=args.groups,
+        conversations=args.conversations,
+        turns=args.turns,
+        doc_tokens=args.doc_tokens,
+        user_tokens=args.user_tokens,
+        reply_tokens=args.reply_tokens,
+        max_tokens=args.max_tokens,
+    )
+    try:
+        convs = schedule(build(spec, lambda text: len(tok.encode(text, add_special_tokens=False).ids)), seed)
+        plan = (
+            arrivals(len(convs), spec.turns, args.arrival_rate, args.think_s, seed)
+            if args.arrival_rate
+            else None
+        )
+    except ValueError as exc:
+        raise BenchError(str(exc)) from None
+    token_lists = [tok.encode(p).ids for c in convs for p in c.prompts]
+    # Turn-major order approximates how the conversations interleave.
+    in_order = [tok.encode(c.prompts[t]).ids for t in range(spec.turns) for c in convs]
+    info = {
+        "seed": seed,
+        "requests": len(token_lists),
+        "prompt_tokens_total": sum(len(t) for t in token_lists),
+        "longest_prompt_tokens": max(len(t) for t in token_lists),
+        "working_set_blocks": distinct_blocks(token_lists, args.block_size),
+        "ideal_hit_rate": round(ideal_hit_rate(in_order, args.block_size), 4),
+        "last_arrival_s": plan[-1].start_s if plan else None,
+    }
+    return _Workload(seed, convs, plan, info)
+
+
+def _workload_info(workloads: list[_Workload], args: argparse.Namespace) -> dict[str, Any]:
+    """The workload section of the JSON: the shared shape, each seed's figures, and the ceiling hit rate
+    pooled over seeds the way the measured rate is (all hits over all prompt tokens)."""
+    by_seed = [w.info for w in workloads]
+    tokens = sum(i["prompt_tokens_total"] for i in by_seed)
+    return {
+        "seeds": [w.seed for w in workloads],
+        "groups": args.groups,
+        "conversations": args.conversations,
+        "turns": args.turns,
+        "doc_tokens": args.doc_tokens,
+        "user_tokens": args.user_tokens,
+        "reply_tokens": args.reply_tokens,
+        "max_tokens": args.max_tokens,
+        "concurrency": None if args.arrival_rate else args.concurrency,
+        "arrival_rate": args.arrival_rate or None,
+        "think_s_mean": args.think_s if args.arrival_rate else None,
+        "last_arrival_s": max((i["last_arrival_s"] or 0.0 for i in by_seed), default=0.0) or None,
+        "requests": by_seed[0]["requests"],
+        "working_set_blocks": max(i["working_set_blocks"] for i in by_seed),
+        "block_size": args.block_size,
+        "ideal_hit_rate": round(
+            sum(i["ideal_hit_rate"] * i["prompt_tokens_total"] for i in by_seed) / tokens, 4
+        ),
+        "by_seed": by_seed,
+    }
+
+
 @dataclass
 class _Round:
+    seed: int
     results: list[Result]
     rows: list[em.EngineDelta]
     wall_s: float
     ready_s: float
     router_metrics: list[str]
     router_cpu_s: float
+
+
+def _ttft_ms(rnd: _Round) -> list[float]:
+    return [r.ttft_s * 1000 for r in rnd.results if r.ok and r.ttft_s is not None]
 
 
 def _summarize(name: str, rounds: list[_Round]) -> dict[str, Any]:
@@ -182,9 +320,9 @@ def _summarize(name: str, rounds: list[_Round]) -> dict[str, Any]:
         "ttft_ms_later_turns_p50": percentile(later, 50),
         "ttft_ms_first_turn_mean": mean(first),
         "ttft_ms_later_turns_mean": mean(later),
-        "ttft_ms_mean_by_round": [
-            mean([r.ttft_s * 1000 for r in rnd.results if r.ok and r.ttft_s is not None]) for rnd in rounds
-        ],
+        "seed_by_round": [rnd.seed for rnd in rounds],
+        "ttft_ms_mean_by_round": [mean(_ttft_ms(rnd)) for rnd in rounds],
+        "ttft_ms_p99_by_round": [percentile(_ttft_ms(rnd), 99) for rnd in rounds],
         # Every request, to compare routers request by request: [round, conversation, turn, sent s, TTFT ms].
         "requests_detail": [
             [i, r.cid, r.turn, round(r.start_s, 3), None if r.ttft_s is None else round(r.ttft_s * 1000, 1)]
@@ -243,54 +381,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise BenchError(str(exc)) from None
     model_dir = ensure_tiny_model(default_tiny_model_dir())
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-
-    def count(text: str) -> int:
-        return len(tok.encode(text, add_special_tokens=False).ids)
-
-    spec = WorkloadSpec(
-        seed=args.seed,
-        groups=args.groups,
-        conversations=args.conversations,
-        turns=args.turns,
-        doc_tokens=args.doc_tokens,
-        user_tokens=args.user_tokens,
-        reply_tokens=args.reply_tokens,
-        max_tokens=args.max_tokens,
+    workloads = [_workload(seed, args, tok) for seed in args.seeds]
+    blocks, max_len = _engine_blocks(
+        max(w.info["working_set_blocks"] for w in workloads),
+        max(w.info["longest_prompt_tokens"] for w in workloads),
+        args,
     )
-    try:
-        convs = schedule(build(spec, count), args.seed)
-    except ValueError as exc:
-        raise BenchError(str(exc)) from None
-    try:
-        plan = (
-            arrivals(len(convs), spec.turns, args.arrival_rate, args.think_s, args.seed)
-            if args.arrival_rate
-            else None
-        )
-    except ValueError as exc:
-        raise BenchError(str(exc)) from None
-    token_lists = [tok.encode(p).ids for c in convs for p in c.prompts]
-    # Turn-major order approximates how the conversations interleave under bounded concurrency.
-    in_order = [tok.encode(c.prompts[t]).ids for t in range(spec.turns) for c in convs]
-    working_set = distinct_blocks(token_lists, args.block_size)
-    longest = max(len(t) for t in token_lists)
-    blocks, max_len = _engine_blocks(working_set, longest, args)
-    workload_info = {
-        **vars(spec),
-        "concurrency": None if plan else args.concurrency,
-        "arrival_rate": args.arrival_rate or None,
-        "think_s_mean": args.think_s if plan else None,
-        "last_arrival_s": plan[-1].start_s if plan else None,
-        "requests": len(token_lists),
-        "prompt_tokens_total": sum(len(t) for t in token_lists),
-        "longest_prompt_tokens": longest,
-        "working_set_blocks": working_set,
-        "block_size": args.block_size,
-        "ideal_hit_rate": round(ideal_hit_rate(in_order, args.block_size), 4),
-    }
+    workload_info = _workload_info(workloads, args)
     print(
-        f"workload: {len(convs)} conversations x {spec.turns} turns over {spec.groups} shared documents "
-        f"(~{spec.doc_tokens} tokens each), {len(token_lists)} requests, working set {working_set} blocks; "
+        f"workload: {args.conversations} conversations x {args.turns} turns over {args.groups} shared "
+        f"documents (~{args.doc_tokens} tokens each), {workload_info['requests']} requests per seed, seeds "
+        f"{','.join(map(str, args.seeds))}, working set up to {workload_info['working_set_blocks']} blocks; "
         f"engines: {ENGINES} x {blocks} blocks ({blocks * args.block_size} tokens), max len {max_len}",
         flush=True,
     )
@@ -303,6 +404,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     if not routers:
         raise BenchError(f"no router left to run (skipped: {skipped})")
+    cpu_each, uncapped_why = resolve_engine_cpu(args.engine_cpu)
+    if uncapped_why:
+        print(f"engines share the cores (not capped: {uncapped_why})", flush=True)
     args.workdir.mkdir(parents=True, exist_ok=True)
     machine_info = machine()
     t0 = time.monotonic()
@@ -319,16 +423,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         extra_args=ENGINE_EXTRA_ARGS,
     )
     engines_ready = time.monotonic() - t0
-    quotas = CpuQuotas(args.engine_cpu)
+    quotas = CpuQuotas(cpu_each) if cpu_each else None
     print(f"engines ready in {engines_ready:.0f} s: {', '.join(e.base_url for e in engines)}", flush=True)
+    rounds = [seed for seed in args.seeds for _ in range(args.rounds)]
+    by_seed = {w.seed: w for w in workloads}
     try:
-        if args.engine_cpu:
+        if quotas is not None:
             try:
                 for i, e in enumerate(engines):
                     quotas.cap(i, group_pids(e.pid))
             except (QuotaUnavailable, OSError, ValueError) as exc:
-                raise BenchError(f"--engine-cpu {args.engine_cpu}: {exc}") from None
-            print(f"engines capped at {args.engine_cpu:g} CPU each", flush=True)
+                raise BenchError(f"--engine-cpu {cpu_each:g}: {exc}") from None
+            print(f"engines capped at {cpu_each:g} CPU each", flush=True)
         workers = [Worker(e.base_url, e.kv_events_endpoint, e.kv_replay_endpoint) for e in engines]
         cfg = RouterConfig(
             model=MODEL, tokenizer_dir=model_dir, block_size=args.block_size, log_decisions=True
@@ -336,20 +442,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         done: dict[str, list[_Round]] = {name: [] for name in routers}
         problems: dict[str, dict[str, Any]] = {}
         with ProcGroup(args.workdir / "logs") as procs:
-            for k in range(args.rounds):
+            for k, seed in enumerate(rounds):
                 # Rotate the order: the machine's load drifts during a run, so no router always goes first.
                 for name in routers[k % len(routers) :] + routers[: k % len(routers)]:
                     if name in problems:
                         continue
-                    print(f"- round {k + 1}/{args.rounds}: {name}", flush=True)
-                    outcome = _run_router(procs, name, workers, cfg, engines, convs, plan, args)
+                    print(f"- round {k + 1}/{len(rounds)} (seed {seed}): {name}", flush=True)
+                    outcome = _run_router(procs, name, workers, cfg, engines, by_seed[seed], args)
                     if isinstance(outcome, dict):
                         problems[name] = outcome
                     else:
                         done[name].append(outcome)
         results = [problems.get(name) or _summarize(name, done[name]) for name in routers]
     finally:
-        quotas.close()
+        if quotas is not None:
+            quotas.close()
         stop_all(engines)
     return {
         "benchmark": "router",
@@ -363,10 +470,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "model": "tiny generated Llama (dummy weights)",
             "vllm": "0.32.0 CPU",
             "extra_args": list(ENGINE_EXTRA_ARGS),
-            "cpu_each": args.engine_cpu or None,
+            "cpu_each": cpu_each or None,
+            "cpu_shared_because": uncapped_why,
         },
         "workload": workload_info,
-        "rounds": args.rounds,
+        "rounds": len(rounds),
         "skipped": skipped,
         "results": results,
         "total_s": round(time.monotonic() - t0, 1),
@@ -379,8 +487,7 @@ def _run_router(
     workers: list[Worker],
     cfg: RouterConfig,
     engines: list[Any],
-    convs: list[Any],
-    plan: list[Arrival] | None,
+    workload: _Workload,
     args: argparse.Namespace,
 ) -> _Round | dict[str, Any]:
     """One round of one router: its raw results, or a problem row."""
@@ -393,7 +500,9 @@ def _run_router(
         cpu0 = group_cpu_seconds(pgid)
         start = time.monotonic()
         res = asyncio.run(
-            run_conversations(running.url, MODEL, convs, args.max_tokens, args.concurrency, schedule=plan)
+            run_conversations(
+                running.url, MODEL, workload.convs, args.max_tokens, args.concurrency, schedule=workload.plan
+            )
         )
         wall = time.monotonic() - start
         router_cpu = group_cpu_seconds(pgid) - cpu0
@@ -402,6 +511,7 @@ def _run_router(
             print(f"  {name} exited during the run; log tail:\n{running.proc.log_tail()}", flush=True)
         metrics_file = args.workdir / "logs" / f"{name.replace('/', '_')}.metrics.txt"
         rnd = _Round(
+            workload.seed,
             res,
             em.deltas([e.base_url for e in engines], before, after),
             wall,
@@ -435,6 +545,24 @@ def _arrivals_text(w: dict[str, Any]) -> str:
             f"think {w['think_s_mean']:g} s)"
         )
     return f"concurrency {w['concurrency']}"
+
+
+def _by_round_table(results: list[dict[str, Any]]) -> str | None:
+    """Rows = rounds (seed), columns = routers; None with a single round."""
+    ran = [r for r in results if "problem" not in r]
+    if not ran or max(r["rounds"] for r in ran) < 2:
+        return None
+    rows = []
+    for k in range(max(r["rounds"] for r in ran)):
+        seed = next(r["seed_by_round"][k] for r in ran if k < r["rounds"])
+        cells = [
+            f"{fmt(r['ttft_ms_mean_by_round'][k], 0)} / {fmt(r['ttft_ms_p99_by_round'][k], 0)}"
+            if k < r["rounds"]
+            else "-"
+            for r in ran
+        ]
+        rows.append([f"{k + 1} ({seed})", *cells])
+    return table(["round (seed)", *[r["router"] for r in ran]], rows)
 
 
 def render(payload: dict[str, Any]) -> str:
@@ -477,15 +605,19 @@ def render(payload: dict[str, Any]) -> str:
     w, e = payload["workload"], payload["engines"]
     lines = [
         f"router benchmark: {w['requests']} requests ({w['conversations']} conversations x {w['turns']} turns, "
-        f"{w['groups']} shared documents) x {payload['rounds']} rounds, {_arrivals_text(w)}, "
+        f"{w['groups']} shared documents) x {payload['rounds']} rounds (seeds "
+        f"{','.join(map(str, w['seeds']))}), {_arrivals_text(w)}, "
         f"{e['count']} vLLM CPU engines"
-        f"{' capped at ' + format(e['cpu_each'], 'g') + ' CPU' if e.get('cpu_each') else ''} x "
+        f"{' capped at ' + format(e['cpu_each'], 'g') + ' CPU' if e.get('cpu_each') else ' sharing the cores'} x "
         f"{e['blocks_each']} KV blocks (working set {w['working_set_blocks']} blocks), "
         f"{payload['machine']['cpus']} CPUs (load avg {payload['machine']['loadavg_1m_5m_15m'][0]} at start, "
         f"{payload['machine']['loadavg_at_end'][0]} at end); ceiling hit rate {100 * w['ideal_hit_rate']:.1f}%; "
         "TTFT in ms",
         table(headers, rows),
     ]
+    by_round = _by_round_table(payload["results"])
+    if by_round:
+        lines += ["TTFT mean / p99 ms per round (the seeds are the independent samples):", by_round]
     for r in payload["results"]:
         if "problem" in r:
             lines.append(f"! {r['router']}: {r['problem']}")

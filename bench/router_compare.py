@@ -1,16 +1,16 @@
 """Compare routers across `make bench-router` JSON files, round by round.
 
 One run's pooled TTFT moves by seconds with which prompts share an engine step, so compare routers on
-rounds paired within a run (same engines, same minutes, rotated order). Rounds of one seed replay nearly
-the same arrivals and decisions, so they are not independent samples: pass runs of several seeds
-(``BENCH_SEED``) before reading the standard error as one.
+rounds paired within a run (same engines, same minutes, same seed, rotated order). Rounds of one seed
+replay nearly the same arrivals and decisions, so they are not independent samples: read the standard
+error only over rounds of different seeds (the default run gives each round its own, ``BENCH_SEEDS``).
 
     python -m bench.router_compare .bench/router.json more-runs/*.json [--against kvstrata/kv-aware]
 
 Prints, per file and router, the engines' uncached prefill rate and, for closed-loop runs, the slowest
 first token of the burst each round starts with and mean TTFT of the burst vs the rest (open loop: first
-turns vs later turns); then, over all files, the per-round difference in mean TTFT between ``--against``
-and each other router (how often lower, mean ± standard error). Needs files written with
+turns vs later turns); then, over all files, the per-round difference in mean TTFT (and p99 TTFT, for
+files that have it) between ``--against`` and each other router (how often lower, mean ± standard error). Needs files written with
 ``requests_detail`` (since 2026-11-23).
 """
 
@@ -46,13 +46,15 @@ def burst_profile(result: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def paired_differences(runs: Sequence[dict[str, Any]], a: str, b: str) -> list[float]:
-    """Per-round mean TTFT of ``a`` minus ``b`` (ms), over every run that has both."""
+def paired_differences(
+    runs: Sequence[dict[str, Any]], a: str, b: str, key: str = "ttft_ms_mean_by_round"
+) -> list[float]:
+    """Per-round ``key`` (a per-round TTFT figure) of ``a`` minus ``b`` (ms), over every run that has both."""
     out: list[float] = []
     for run in runs:
-        by = {r["router"]: r for r in run["results"] if "ttft_ms_mean_by_round" in r}
+        by = {r["router"]: r for r in run["results"] if key in r}
         if a in by and b in by:
-            pairs = zip(by[a]["ttft_ms_mean_by_round"], by[b]["ttft_ms_mean_by_round"], strict=False)
+            pairs = zip(by[a][key], by[b][key], strict=False)
             out += [x - y for x, y in pairs if x is not None and y is not None]
     return out
 
@@ -96,10 +98,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     for other in routers:
         if other == args.against:
             continue
-        s = summarize(paired_differences(runs, args.against, other))
-        if s is not None:
-            n, lower, m, se = s
-            print(f"{args.against} - {other}: lower in {lower} of {n} rounds, mean {m:+.0f} ± {se:.0f} ms")
+        for figure, key in (("mean", "ttft_ms_mean_by_round"), ("p99", "ttft_ms_p99_by_round")):
+            s = summarize(paired_differences(runs, args.against, other, key))
+            if s is not None:
+                n, lower, m, se = s
+                print(
+                    f"{args.against} - {other}, {figure} TTFT: lower in {lower} of {n} rounds, "
+                    f"by {m:+.0f} ± {se:.0f} ms"
+                )
     return 0
 
 

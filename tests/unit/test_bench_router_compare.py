@@ -41,3 +41,10 @@ def test_paired_differences_use_only_runs_with_both_routers() -> None:
     assert math.isclose(m, -50 / 3)
     assert math.isclose(se, math.sqrt(((100 / 3) ** 2 * 2 + (200 / 3) ** 2) / 2) / math.sqrt(3))
     assert summarize([1.0]) is None
+
+
+def test_paired_differences_of_another_per_round_figure() -> None:
+    a, b = result("a", [1.0]), result("b", [1.0])
+    a["ttft_ms_p99_by_round"], b["ttft_ms_p99_by_round"] = [900.0, 1000.0], [1000.0, 800.0]
+    runs = [{"results": [a, b]}, {"results": [result("a", [1.0]), result("b", [2.0])]}]  # older: no p99
+    assert paired_differences(runs, "a", "b", "ttft_ms_p99_by_round") == [-100.0, 200.0]

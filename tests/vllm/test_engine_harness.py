@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import socket
 import time
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import msgspec
 import pytest
 import zmq
 
+from kvstrata.testing import engines as harness
 from kvstrata.testing.engines import KV_EVENTS_TOPIC, EngineError, VllmEngine, engines, free_port, group_alive
 
 
@@ -88,14 +90,30 @@ def test_crashed_engine_fails_fast_with_log(tiny_model: Path, vllm_py: Path, tmp
     assert not eng.running()
 
 
-def test_engines_context_starts_together_and_stops_all(
-    tiny_model: Path, vllm_py: Path, tmp_path: Path
+def test_engines_start_together_replace_one_whose_port_was_taken_and_stop_all(
+    tiny_model: Path, vllm_py: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with engines(2, tiny_model, log_dir=tmp_path, kv_replay=True, extra_args=["--enforce-eager"]) as started:
-        assert len({e.port for e in started}) == 2
-        assert len({e.kv_events_endpoint for e in started}) == 2
-        assert all(e.kv_replay_endpoint for e in started)
-        for eng in started:
-            assert eng.complete("one two three", max_tokens=2)["usage"]["completion_tokens"] == 2
-        groups = [e.pid for e in started]
+    # The first engine's KV-event port is handed out while something else listens on it, as when
+    # another engine's vLLM took it between the pick and the bind.
+    squatter = socket.socket()
+    squatter.bind(("", 0))
+    squatter.listen()
+    taken = squatter.getsockname()[1]
+    handed = iter([free_port(), taken])
+    monkeypatch.setattr(harness, "free_port", lambda: next(handed, None) or free_port())
+    try:
+        with engines(
+            2, tiny_model, log_dir=tmp_path, kv_replay=True, extra_args=["--enforce-eager"]
+        ) as started:
+            assert len({e.port for e in started}) == 2
+            assert len({e.kv_events_endpoint for e in started}) == 2
+            assert all(e.kv_replay_endpoint for e in started)
+            assert not any(str(taken) in (e.kv_events_endpoint or "") for e in started)
+            for eng in started:
+                assert eng.complete("one two three", max_tokens=2)["usage"]["completion_tokens"] == 2
+            groups = [e.pid for e in started]
+    finally:
+        squatter.close()
+    failed = [f for f in tmp_path.glob("engine-0-*.log") if "Address already in use" in f.read_text()]
+    assert len(failed) == 1 and failed[0] != started[0].log_path
     assert not any(group_alive(g) for g in groups if g is not None)

@@ -18,7 +18,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,10 @@ _STOP_GRACE_S = 20.0
 _LOG_PREFIX = re.compile(r"^\([^)]*\) [A-Z]+ \S+ \S+ \[[^\]]*\] ")
 # "ValueError: ...": the summary line of a traceback.
 _EXCEPTION_LINE = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception): .*$")
+
+
+# Restarts, with fresh ports, of an engine that found one of its ports taken (see start_engines).
+PORT_RETRIES = 2
 
 
 class EngineError(RuntimeError):
@@ -447,6 +451,10 @@ class VllmEngine:
                 seen.setdefault(match.group(0).strip(), None)
         return list(seen)
 
+    def port_was_taken(self) -> bool:
+        """Whether the engine failed because one of its ports was in use."""
+        return any("Address already in use" in line for line in self.log_errors())
+
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_text().splitlines()[-lines:])
 
@@ -554,35 +562,52 @@ def start_engines(
     if n > 1:
         # Side by side, vLLM's auto binding would put every engine on the same core.
         kwargs["env"] = {**unpinned_omp_env(1), **(kwargs.get("env") or {})}
-    engines = []
-    for i in range(n):
+
+    def make(i: int) -> VllmEngine:
         port = base_port + i if base_port is not None else free_port()
-        engines.append(
-            VllmEngine(
-                model_dir,
-                port=port,
-                kv_events_port=free_port() if kv_events else None,
-                kv_replay_port=free_port() if kv_events and kv_replay else None,
-                log_path=Path(log_dir) / f"engine-{i}-{port}.log",
-                **kwargs,
-            )
+        return VllmEngine(
+            model_dir,
+            port=port,
+            kv_events_port=free_port() if kv_events else None,
+            kv_replay_port=free_port() if kv_events and kv_replay else None,
+            log_path=Path(log_dir) / f"engine-{i}-{port}.log",
+            **kwargs,
         )
-    return start_all(engines, timeout=timeout)
+
+    return start_all([make(i) for i in range(n)], timeout=timeout, remake=make)
 
 
-def start_all(engines: Sequence[VllmEngine], *, timeout: float = 600.0) -> list[VllmEngine]:
+def start_all(
+    engines: Sequence[VllmEngine],
+    *,
+    timeout: float = 600.0,
+    remake: Callable[[int], VllmEngine] | None = None,
+) -> list[VllmEngine]:
     """Start engines at once (on 2 cores three boot in ~150 s instead of ~3 x 70 s) and wait for all;
-    on any failure stop every one of them before raising."""
+    on any failure stop every one of them before raising. An engine that found one of its ports taken
+    is replaced by ``remake(its index)`` (fresh ports), at most PORT_RETRIES times: ports are picked
+    free before the start but bound only when vLLM gets to them, and engines booting side by side pick
+    their internal ports the same way, so one can take a port handed to another (seen: the KV-event
+    publisher's bind failing)."""
+    started = list(engines)
     try:
-        for engine in engines:
+        for engine in started:
             engine.start()
         deadline = time.monotonic() + timeout
-        for engine in engines:
-            engine.wait_ready(timeout=max(1.0, deadline - time.monotonic()))
+        for i in range(len(started)):
+            for attempt in range(PORT_RETRIES + 1):
+                try:
+                    started[i].wait_ready(timeout=max(1.0, deadline - time.monotonic()))
+                    break
+                except EngineError:
+                    if remake is None or attempt == PORT_RETRIES or not started[i].port_was_taken():
+                        raise
+                    started[i].stop()
+                    started[i] = remake(i).start()
     except BaseException:
-        stop_all(engines)
+        stop_all(started)
         raise
-    return list(engines)
+    return started
 
 
 def stop_all(engines: Sequence[VllmEngine]) -> None:
