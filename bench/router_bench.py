@@ -216,8 +216,8 @@ class _Workload:
     info: dict[str, Any]
 
 
-def _workload(seed: int, args: argparse.Namespace, tok: Any) -> _Workload:
-    spec = WorkloadSpec(
+def _spec(args: argparse.Namespace, seed: int) -> WorkloadSpec:
+    return WorkloadSpec(
         seed=seed,
         groups=args.groups,
         conversations=args.conversations,
@@ -227,6 +227,10 @@ def _workload(seed: int, args: argparse.Namespace, tok: Any) -> _Workload:
         reply_tokens=args.reply_tokens,
         max_tokens=args.max_tokens,
     )
+
+
+def _workload(seed: int, args: argparse.Namespace, tok: Any) -> _Workload:
+    spec = _spec(args, seed)
     try:
         convs = schedule(build(spec, lambda text: len(tok.encode(text, add_special_tokens=False).ids)), seed)
         plan = (
@@ -256,15 +260,10 @@ def _workload_info(workloads: list[_Workload], args: argparse.Namespace) -> dict
     pooled over seeds the way the measured rate is (all hits over all prompt tokens)."""
     by_seed = [w.info for w in workloads]
     tokens = sum(i["prompt_tokens_total"] for i in by_seed)
+    shape = {k: v for k, v in vars(_spec(args, workloads[0].seed)).items() if k != "seed"}
     return {
         "seeds": [w.seed for w in workloads],
-        "groups": args.groups,
-        "conversations": args.conversations,
-        "turns": args.turns,
-        "doc_tokens": args.doc_tokens,
-        "user_tokens": args.user_tokens,
-        "reply_tokens": args.reply_tokens,
-        "max_tokens": args.max_tokens,
+        **shape,
         "concurrency": None if args.arrival_rate else args.concurrency,
         "arrival_rate": args.arrival_rate or None,
         "think_s_mean": args.think_s if args.arrival_rate else None,
