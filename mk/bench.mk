@@ -24,9 +24,9 @@ $(BENCH_TOOLS_STAMP):
 bench-tools: $(BENCH_TOOLS_STAMP)
 
 # Three real vLLM CPU engines + one shared-prefix multi-turn workload through every router, one round per
-# seed (BENCH_SEEDS), open loop (BENCH_ARRIVAL_RATE; 0 = closed loop), 0.6 CPU per engine where cgroups
-# are writable (BENCH_ENGINE_CPU); ~25 min. Size with BENCH_CONVERSATIONS, BENCH_TURNS, BENCH_GROUPS
-# (see python -m bench.router_bench --help).
+# seed (BENCH_SEEDS, ten by default), open loop (BENCH_ARRIVAL_RATE; 0 = closed loop), 0.6 CPU per engine
+# where cgroups are writable (BENCH_ENGINE_CPU); ~50 min, BENCH_SEEDS=7 ~6 min. Size with
+# BENCH_CONVERSATIONS, BENCH_TURNS, BENCH_GROUPS (see python -m bench.router_bench --help).
 bench-router: venv vllm bench-deps
 	$(PY) -m bench.router_bench --out $(BENCH_DIR)/router.json $(BENCH_ARGS)
 

@@ -18,9 +18,9 @@ def _no_bench_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
-def test_defaults_are_open_loop_over_five_seeds_with_cpu_share_auto() -> None:
+def test_defaults_are_open_loop_over_ten_seeds_with_cpu_share_auto() -> None:
     args = rb.parse_args([])
-    assert args.seeds == [7, 11, 12, 13, 14]
+    assert args.seeds == [7, 11, 12, 13, 14, 21, 22, 23, 24, 25]
     assert args.rounds == 1
     assert args.arrival_rate == 0.4
     assert args.engine_cpu is None  # auto
