@@ -241,9 +241,10 @@ def _workload(seed: int, args: argparse.Namespace, tok: Any) -> _Workload:
         )
     except ValueError as exc:
         raise BenchError(str(exc)) from None
-    token_lists = [tok.encode(p).ids for c in convs for p in c.prompts]
+    ids = [[tok.encode(p).ids for p in c.prompts] for c in convs]  # per conversation, per turn
+    token_lists = [t for conv in ids for t in conv]
     # Turn-major order approximates how the conversations interleave.
-    in_order = [tok.encode(c.prompts[t]).ids for t in range(spec.turns) for c in convs]
+    in_order = [conv[t] for t in range(spec.turns) for conv in ids]
     info = {
         "seed": seed,
         "requests": len(token_lists),
@@ -432,7 +433,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             try:
                 for i, e in enumerate(engines):
                     quotas.cap(i, group_pids(e.pid))
-            except (QuotaUnavailable, OSError, ValueError) as exc:
+            except (QuotaUnavailable, OSError) as exc:
                 raise BenchError(f"--engine-cpu {cpu_each:g}: {exc}") from None
             print(f"engines capped at {cpu_each:g} CPU each", flush=True)
         workers = [Worker(e.base_url, e.kv_events_endpoint, e.kv_replay_endpoint) for e in engines]
