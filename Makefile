@@ -18,12 +18,14 @@ help:
 	@echo "make test   - unit + integration + e2e tests"
 	@echo "make plan   - print the plans of examples/"
 	@echo "make crds   - regenerate crds/ and the chart's CRD from the pydantic models"
-	@echo "make lint   - ruff"
+	@echo "make lint   - ruff + mypy"
 
-$(VENV)/.ok: pyproject.toml
+# The product (kvstrata, editable, with its dev tools) and the development harness (kvstrata-dev: local
+# control plane, engine harness, e2e launcher, demo), which is never part of the product wheel.
+$(VENV)/.ok: pyproject.toml dev/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --disable-pip-version-check -q --upgrade pip==25.3
-	$(PY) -m pip install --disable-pip-version-check -q -e '.[dev]'
+	$(PY) -m pip install --disable-pip-version-check -q -e '.[dev]' -e ./dev
 	touch $@
 
 venv: $(VENV)/.ok
@@ -33,13 +35,17 @@ vllm: $(VLLM_VENV)/.ok
 $(VLLM_VENV)/.ok:
 	bash scripts/install-vllm.sh
 
+LINT_PATHS := operator dev tests e2e bench conftest.py
+
+# ruff, then mypy (strict settings in pyproject.toml) over the product package.
 lint: venv
-	$(VENV)/bin/ruff check operator tests e2e bench conftest.py
-	$(VENV)/bin/ruff format --check operator tests e2e bench conftest.py
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+	$(VENV)/bin/mypy
 
 fmt: venv
-	$(VENV)/bin/ruff check --fix operator tests e2e bench conftest.py
-	$(VENV)/bin/ruff format operator tests e2e bench conftest.py
+	$(VENV)/bin/ruff check --fix $(LINT_PATHS)
+	$(VENV)/bin/ruff format $(LINT_PATHS)
 
 crds: venv
 	$(PY) -m kvstrata.api.crd --write

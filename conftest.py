@@ -1,4 +1,4 @@
-"""Fixtures shared by tests/ and e2e/. Logic lives in kvstrata.localcluster; this file only wires it."""
+"""Fixtures shared by tests/ and e2e/. Logic lives in kvstrata_dev.localcluster; this file only wires it."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvstrata.localcluster.session import LocalCluster, acquire, fresh_namespace, release
+from kvstrata_dev.localcluster.session import LocalCluster, acquire, fresh_namespace, release
 
 
 @pytest.fixture(scope="session")

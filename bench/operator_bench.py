@@ -1,7 +1,7 @@
 """`make bench-operator`: how fast InferenceClusters become Ready, and what the operator costs in memory.
 
 On the local control plane (kwok nodes) with the chart installed and the operator running as its
-ServiceAccount (kvstrata.controller.localrun), it measures:
+ServiceAccount (kvstrata_dev.localrun), it measures:
 
 - apply→Ready for 1 InferenceCluster, then for a burst of 100 created at once (time from each create to its
   Ready=True with the current generation observed, and the wall time until all 100 are Ready);
@@ -28,16 +28,16 @@ import yaml
 
 from bench.report import fmt, group_cpu_seconds, machine, mean, percentile, table, write_json
 from kvstrata.controller.kube import Kube
-from kvstrata.controller.localrun import (
+from kvstrata_dev.localcluster import procs
+from kvstrata_dev.localcluster.layout import Layout
+from kvstrata_dev.localcluster.session import acquire, fresh_namespace, release
+from kvstrata_dev.localrun import (
     ensure_model_claim,
     install_chart,
     run_operator,
     uninstall_chart,
     wait_webhook_serving,
 )
-from kvstrata.localcluster import procs
-from kvstrata.localcluster.layout import Layout
-from kvstrata.localcluster.session import acquire, fresh_namespace, release
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny-cpu.yaml"
 API = "kvstrata.io/v1alpha1"

@@ -135,7 +135,7 @@ def bench_main(
 
 def free_port() -> int:
     try:  # the engine harness owns the canonical helper; fall back only if it is absent
-        from kvstrata.testing.engines import free_port as harness_free_port
+        from kvstrata_dev.testing.engines import free_port as harness_free_port
     except ImportError:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))

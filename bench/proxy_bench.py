@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             routers.remove(r)
     tokenizer_dir = None
     if any(r.startswith("kvstrata/") for r in routers):
-        from kvstrata.testing.tinymodel import default_tiny_model_dir, ensure_tiny_model
+        from kvstrata_dev.testing.tinymodel import default_tiny_model_dir, ensure_tiny_model
 
         tokenizer_dir = ensure_tiny_model(default_tiny_model_dir())
     cfg = RouterConfig(model=nginx_backend.MODEL, tokenizer_dir=tokenizer_dir, block_size=32)

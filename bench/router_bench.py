@@ -370,8 +370,8 @@ def _reset_caches(engines: list[Any]) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from tokenizers import Tokenizer
 
-    from kvstrata.testing.engines import EngineError, group_pids, start_engines, stop_all, vllm_python
-    from kvstrata.testing.tinymodel import default_tiny_model_dir, ensure_tiny_model
+    from kvstrata_dev.testing.engines import EngineError, group_pids, start_engines, stop_all, vllm_python
+    from kvstrata_dev.testing.tinymodel import default_tiny_model_dir, ensure_tiny_model
 
     routers = [r.strip() for r in args.routers.split(",") if r.strip()]
     if args.rounds < 1:

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from kvstrata.e2e.stack import REPO, Stack, load_manifest
-from kvstrata.localcluster.session import LocalCluster, namespace_name
-from kvstrata.testing.engines import vllm_python
+from kvstrata_dev.e2e.stack import REPO, Stack, load_manifest
+from kvstrata_dev.localcluster.session import LocalCluster, namespace_name
+from kvstrata_dev.testing.engines import vllm_python
 
 # KVSTRATA_E2E_EXAMPLE: run the same tests on another CPU manifest (three replicas, a pvc:// tiny model).
 EXAMPLE = Path(os.environ.get("KVSTRATA_E2E_EXAMPLE") or REPO / "examples" / "tiny-cpu.yaml")

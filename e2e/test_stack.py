@@ -17,9 +17,9 @@ import time
 import pytest
 
 from kvstrata.controller.hitrate import HitRates
-from kvstrata.e2e import workload
-from kvstrata.e2e.stack import Stack
-from kvstrata.testing.engines import group_alive
+from kvstrata_dev.e2e import workload
+from kvstrata_dev.e2e.stack import Stack
+from kvstrata_dev.testing.engines import group_alive
 
 pytestmark = pytest.mark.timeout(1800)
 

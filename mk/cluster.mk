@@ -5,16 +5,16 @@
 
 # Idempotent: a stamp file makes the second run a no-op (well under a second).
 cluster-bin: venv
-	$(PY) -m kvstrata.localcluster.build
+	$(PY) -m kvstrata_dev.localcluster.build
 
 cluster-up: cluster-bin
-	$(VENV)/bin/kvstrata cluster up
+	$(VENV)/bin/kvstrata-dev cluster up
 
 cluster-down: venv
-	$(VENV)/bin/kvstrata cluster down
+	$(VENV)/bin/kvstrata-dev cluster down
 
 cluster-status: venv
-	$(VENV)/bin/kvstrata cluster status
+	$(VENV)/bin/kvstrata-dev cluster status
 
 cluster-env: venv
-	@$(VENV)/bin/kvstrata cluster env
+	@$(VENV)/bin/kvstrata-dev cluster env

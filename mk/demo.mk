@@ -5,9 +5,9 @@
 DEMO_ARGS ?=
 
 demo: venv vllm cluster-bin
-	$(VENV)/bin/python -m kvstrata.e2e.demo up $(DEMO_ARGS)
+	$(VENV)/bin/python -m kvstrata_dev.e2e.demo up $(DEMO_ARGS)
 
 # Stops a running `make demo` (or what a crashed one left): engines, router, operator, and the
 # control plane if the demo started it.
 demo-down: venv
-	$(VENV)/bin/python -m kvstrata.e2e.demo down
+	$(VENV)/bin/python -m kvstrata_dev.e2e.demo down

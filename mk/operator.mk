@@ -3,7 +3,7 @@
 
 BENCH_DIR ?= .bench
 # helm comes with the local control plane's binaries (make cluster-bin).
-OPERATOR_HELM = $(shell $(PY) -c 'from kvstrata.localcluster.versions import bin_dir; print(bin_dir() / "helm")' 2>/dev/null)
+OPERATOR_HELM = $(shell $(PY) -c 'from kvstrata_dev.localcluster.versions import bin_dir; print(bin_dir() / "helm")' 2>/dev/null)
 
 helm-lint: venv cluster-bin
 	$(OPERATOR_HELM) lint --strict charts/kvstrata

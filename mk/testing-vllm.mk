@@ -7,4 +7,4 @@ test-vllm: venv vllm
 
 # The tiny random-weight model every local engine serves ($(KVSTRATA_CACHE)/models/tiny-llama).
 tiny-model: venv
-	$(PY) -m kvstrata.testing.tinymodel
+	$(PY) -m kvstrata_dev.testing.tinymodel

@@ -16,7 +16,6 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "crd": ("kvstrata.api.crd", "print the generated CustomResourceDefinition"),
     "operator": ("kvstrata.controller.main", "run the operator (kopf)"),
     "router": ("kvstrata.router.main", "run the prefix-affinity router"),
-    "cluster": ("kvstrata.localcluster.main", "build, start and stop the local control plane"),
 }
 
 

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import yaml
 
-from kvstrata.controller.localrun import (
+from kvstrata_dev.localcluster.session import LocalCluster, fresh_namespace
+from kvstrata_dev.localrun import (
     Install,
     OperatorProcess,
     ensure_model_claim,
@@ -26,7 +27,6 @@ from kvstrata.controller.localrun import (
     uninstall_chart,
     wait_webhook_serving,
 )
-from kvstrata.localcluster.session import LocalCluster, fresh_namespace
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 READY_TIMEOUT = 90

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from kvs_operator_env import OperatorEnv, example, operator_env_fixture, tracebacks  # noqa: F401
 
-from kvstrata.testing.manifests import with_changes
+from kvstrata_dev.testing.manifests import with_changes
 
 TINY = example("tiny-cpu.yaml")
 GPU = example("llama-8b-single-gpu.yaml")

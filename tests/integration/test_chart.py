@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kvstrata.localcluster import versions
+from kvstrata_dev.localcluster import versions
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "kvstrata"
 

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from kvstrata.localcluster import versions
-from kvstrata.localcluster.pki import serving_certs
-from kvstrata.localcluster.session import CommandError, LocalCluster
+from kvstrata_dev.localcluster import versions
+from kvstrata_dev.localcluster.pki import serving_certs
+from kvstrata_dev.localcluster.session import CommandError, LocalCluster
 
 pytestmark = pytest.mark.cluster
 

@@ -14,8 +14,8 @@ import yaml
 from kvs_operator_env import OperatorEnv, condition, example, operator_env_fixture  # noqa: F401
 
 from kvstrata.controller.status import OWNED_CONDITIONS
-from kvstrata.localcluster import cluster, components, procs
-from kvstrata.localcluster.layout import Layout, State
+from kvstrata_dev.localcluster import cluster, components, procs
+from kvstrata_dev.localcluster.layout import Layout, State
 
 N = 20
 # Two reconcile threads: the burst of 20 takes long enough that the kill lands in the middle of it.

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from kvstrata.localcluster.session import LocalCluster
+from kvstrata.api.router_config import Discovery
 from kvstrata.router.discovery import EndpointSliceWatcher, load_api_access
 from kvstrata.router.pool import EndpointPool
-from kvstrata.router.settings import Discovery
+from kvstrata_dev.localcluster.session import LocalCluster
 
 pytestmark = pytest.mark.cluster
 

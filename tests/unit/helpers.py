@@ -8,7 +8,7 @@ from typing import Any
 import yaml
 from aiohttp import web
 
-from kvstrata.testing.manifests import with_changes
+from kvstrata_dev.testing.manifests import with_changes
 
 __all__ = ["EXAMPLES", "example", "serve", "with_changes"]
 

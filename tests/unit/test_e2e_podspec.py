@@ -9,10 +9,10 @@ import pytest
 from helpers import example
 
 from kvstrata.api.manifest import validate
-from kvstrata.e2e.launcher import readiness_patch
-from kvstrata.e2e.podspec import PodSpecError, launch_spec, set_flag, static_discovery
 from kvstrata.planner import plan
 from kvstrata.render import render
+from kvstrata_dev.e2e.launcher import readiness_patch
+from kvstrata_dev.e2e.podspec import PodSpecError, launch_spec, set_flag, static_discovery
 
 VLLM_PY = "/opt/vllm/bin/python"
 KVSTRATA = "/opt/kvstrata/bin/kvstrata"
@@ -106,7 +106,7 @@ def test_router_gets_its_config_volume_and_a_pod_ip_bind(tmp_path: Path) -> None
 
 
 def test_paths_inside_json_flags_are_mapped() -> None:
-    from kvstrata.e2e.podspec import rewrite_token
+    from kvstrata_dev.e2e.podspec import rewrite_token
 
     token = '{"kv_connector":"OffloadingConnector","kv_connector_extra_config":{"root_dir":"/kv-cache/x"}}'
     out = json.loads(rewrite_token(token, {"/kv-cache": Path("/local/pv")}))
@@ -130,7 +130,7 @@ def test_static_discovery_replaces_the_service() -> None:
     assert [e["url"] for e in disc["static"]] == ["http://127.10.1.2:8000", "http://127.10.1.3:8000"]
     assert disc["static"][0]["kvEvents"] == "tcp://127.10.1.2:5557"
     assert disc["static"][0]["kvReplay"] == "tcp://127.10.1.2:5558"
-    from kvstrata.router.settings import RouterSettings
+    from kvstrata.api.router_config import RouterSettings
 
     RouterSettings.model_validate(cfg)  # still a valid router.json
 
@@ -148,7 +148,7 @@ def test_readiness_patch_shapes() -> None:
 
 
 def test_router_config_paths_follow_the_mounts(tmp_path: Path) -> None:
-    from kvstrata.e2e.podspec import rewrite_paths
+    from kvstrata_dev.e2e.podspec import rewrite_paths
 
     pod = as_pod(rendered("Deployment", "tiny-router"), "tiny-router-abc", ip="127.10.2.9")
     spec = launch_spec(

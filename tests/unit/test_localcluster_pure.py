@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvstrata.localcluster import build, harness, manifests
-from kvstrata.localcluster.layout import choose_ports, port_is_free
+from kvstrata_dev.localcluster import build, harness, manifests
+from kvstrata_dev.localcluster.layout import choose_ports, port_is_free
 
 KUBERNETES_GO_MOD = """module k8s.io/kubernetes
 

@@ -7,9 +7,9 @@ import json
 from helpers import example, with_changes
 
 from kvstrata.api.manifest import validate
+from kvstrata.api.router_config import RouterSettings
 from kvstrata.planner import plan
 from kvstrata.render import FLAGS_DIGEST_ANNOTATION, render
-from kvstrata.router.settings import RouterSettings
 
 
 def objects(doc, uid="uid-1"):

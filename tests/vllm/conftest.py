@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstrata.testing.engines import VllmEngine, free_port, vllm_python
-from kvstrata.testing.tinymodel import default_tiny_model_dir, ensure_tiny_model
+from kvstrata_dev.testing.engines import VllmEngine, free_port, vllm_python
+from kvstrata_dev.testing.tinymodel import default_tiny_model_dir, ensure_tiny_model
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

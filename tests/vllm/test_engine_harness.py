@@ -11,8 +11,15 @@ import msgspec
 import pytest
 import zmq
 
-from kvstrata.testing import engines as harness
-from kvstrata.testing.engines import KV_EVENTS_TOPIC, EngineError, VllmEngine, engines, free_port, group_alive
+from kvstrata_dev.testing import engines as harness
+from kvstrata_dev.testing.engines import (
+    KV_EVENTS_TOPIC,
+    EngineError,
+    VllmEngine,
+    engines,
+    free_port,
+    group_alive,
+)
 
 
 def _counter(metrics: str, name: str) -> float:

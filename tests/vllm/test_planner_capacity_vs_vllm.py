@@ -20,8 +20,8 @@ from kvstrata.planner import Plan, plan
 from kvstrata.planner.arch import architecture_from_hf_config
 from kvstrata.planner.catalog import CATALOG
 from kvstrata.planner.kv import kv_bytes_per_token
-from kvstrata.testing.hfconfig import hf_config_for_vllm
-from kvstrata.testing.vllm_probe_client import kv_spec_case, vllm_kv_capacities
+from kvstrata_dev.testing.hfconfig import hf_config_for_vllm
+from kvstrata_dev.testing.vllm_probe_client import kv_spec_case, vllm_kv_capacities
 
 BLOCK = 16
 # model id → tensor-parallel sizes (MLA replicates its latent KV on every rank; Qwen 0.5B has 2 KV heads,

@@ -17,7 +17,7 @@ import yaml
 
 from kvstrata.api import InferenceCluster
 from kvstrata.planner import plan
-from kvstrata.testing.vllm_probe_client import vllm_parse_args
+from kvstrata_dev.testing.vllm_probe_client import vllm_parse_args
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -15,8 +15,8 @@ import pytest
 from kvstrata.planner.arch import architecture_from_hf_config
 from kvstrata.planner.catalog import CATALOG
 from kvstrata.planner.kv import kv_bytes_per_token, layer_bytes_per_token
-from kvstrata.testing.hfconfig import hf_config_for_vllm
-from kvstrata.testing.vllm_probe_client import kv_spec_case, vllm_kv_specs
+from kvstrata_dev.testing.hfconfig import hf_config_for_vllm
+from kvstrata_dev.testing.vllm_probe_client import kv_spec_case, vllm_kv_specs
 
 # Configs the catalog does not cover: plain MHA (the tiny test model's shape) and a Mistral-7B-v0.1-style
 # model where every layer slides (no layer_types), the case vLLM handles through CacheConfig.

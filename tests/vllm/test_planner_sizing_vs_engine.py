@@ -23,7 +23,7 @@ from kvstrata.api import InferenceCluster
 from kvstrata.planner import Plan, plan
 from kvstrata.planner.arch import architecture_from_hf_config
 from kvstrata.planner.kv import kv_bytes_per_token, tokens_in
-from kvstrata.testing.engines import (
+from kvstrata_dev.testing.engines import (
     EngineError,
     VllmEngine,
     free_port,
@@ -31,7 +31,7 @@ from kvstrata.testing.engines import (
     start_all,
     stop_all,
 )
-from kvstrata.testing.tinymodel import ensure_tiny_model
+from kvstrata_dev.testing.tinymodel import ensure_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 SIZING_LINE = re.compile(

@@ -25,7 +25,7 @@ import zmq
 from kvstrata.router.events import BlockStored, decode_frames
 from kvstrata.router.hashing import block_hashes
 from kvstrata.router.prompts import LocalTokenizer
-from kvstrata.testing.engines import VllmEngine, free_port, start_engines, stop_all
+from kvstrata_dev.testing.engines import VllmEngine, free_port, start_engines, stop_all
 
 MODEL = "tiny"
 BLOCK = 32

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from kvstrata.testing.tinymodel import STAMP_FILE, ensure_tiny_model, main
+from kvstrata_dev.testing.tinymodel import STAMP_FILE, ensure_tiny_model, main
 
 
 def _tree(root: Path) -> dict[str, bytes]:

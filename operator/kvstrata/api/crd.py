@@ -26,11 +26,12 @@ from kvstrata.api.models import (
     InferenceClusterStatus,
 )
 
-REPO = Path(__file__).resolve().parents[3]
-CRD_PATH = REPO / "crds" / f"{PLURAL}.{GROUP}.yaml"
+# Paths inside a checkout of the repository (`--repo`, default: the current directory). The installed
+# package never looks for its own source tree.
+CRD_PATH = Path("crds") / f"{PLURAL}.{GROUP}.yaml"
 # The chart ships the CRD as a template (not in crds/, which Helm never upgrades) and keeps it on
 # uninstall so that deleting the release does not delete every InferenceCluster with it.
-CHART_CRD_PATH = REPO / "charts" / "kvstrata" / "templates" / "crd.yaml"
+CHART_CRD_PATH = Path("charts") / "kvstrata" / "templates" / "crd.yaml"
 CRD_PATHS = [CRD_PATH, CHART_CRD_PATH]
 _DROP = {"title", "$defs", "discriminator"}
 
@@ -183,17 +184,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvstrata crd", description=__doc__)
     parser.add_argument("--write", action="store_true", help="write crds/ and the chart's CRD")
     parser.add_argument("--check", action="store_true", help="exit 1 when the checked-in CRDs are stale")
+    parser.add_argument("--repo", type=Path, default=Path("."), help="checkout to write or check (default .)")
     args = parser.parse_args(argv)
     if args.write:
         for path in CRD_PATHS:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(render_yaml(path))
-            print(f"wrote {path.relative_to(REPO)}")
+            target = args.repo / path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(render_yaml(path))
+            print(f"wrote {path}")
         return 0
     if args.check:
-        stale = [p for p in CRD_PATHS if not p.exists() or p.read_text() != render_yaml(p)]
+        stale = [
+            p
+            for p in CRD_PATHS
+            if not (args.repo / p).exists() or (args.repo / p).read_text() != render_yaml(p)
+        ]
         for path in stale:
-            print(f"{path.relative_to(REPO)} is stale: run `make crds`", file=sys.stderr)
+            print(f"{path} is stale: run `make crds`", file=sys.stderr)
         return 1 if stale else 0
     sys.stdout.write(render_yaml())
     return 0

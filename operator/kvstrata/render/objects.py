@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 from kvstrata.api.models import API_VERSION, KIND, InferenceClusterSpec
+from kvstrata.api.router_config import Discovery, RouterSettings, Weights
 from kvstrata.planner.constants import (
     HF_HOME,
     KV_EVENTS_PORT,
@@ -21,7 +22,6 @@ from kvstrata.planner.constants import (
     engine_cpus,
 )
 from kvstrata.planner.plan import Plan
-from kvstrata.router.settings import Discovery, RouterSettings, Weights
 
 FLAGS_DIGEST_ANNOTATION = "kvstrata.io/flags-digest"
 CONFIG_DIGEST_ANNOTATION = "kvstrata.io/config-digest"

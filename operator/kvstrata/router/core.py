@@ -19,6 +19,7 @@ from typing import Any
 
 import aiohttp
 
+from kvstrata.api.router_config import RouterSettings
 from kvstrata.router.hashing import block_hashes, char_block_hashes, check_algo
 from kvstrata.router.index import BlockIndex, PrefixMatch
 from kvstrata.router.metrics import RouterMetrics
@@ -41,7 +42,6 @@ from kvstrata.router.scoring import (
     rendezvous,
     uncached_tokens,
 )
-from kvstrata.router.settings import RouterSettings
 
 log = logging.getLogger("kvstrata.router.route")
 

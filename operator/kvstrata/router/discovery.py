@@ -22,8 +22,8 @@ from urllib.parse import quote
 
 import aiohttp
 
+from kvstrata.api.router_config import Discovery, StaticEndpoint
 from kvstrata.router.pool import EndpointSpec
-from kvstrata.router.settings import Discovery, StaticEndpoint
 
 log = logging.getLogger("kvstrata.router.discovery")
 

@@ -24,10 +24,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from kvstrata.api.router_config import RouterSettings, StaticEndpoint
 from kvstrata.router.discovery import DiscoveryError
 from kvstrata.router.hashing import UnsupportedHashAlgo, check_algo
 from kvstrata.router.prompts import ChatTemplateError, LocalTokenizer, TokenizerLoadError
-from kvstrata.router.settings import RouterSettings, StaticEndpoint
 
 log = logging.getLogger("kvstrata.router")
 

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvstrata.api.router_config import TierWeights
 from kvstrata.router.index import PrefixMatch
 from kvstrata.router.pool import Endpoint
-from kvstrata.router.settings import TierWeights
 
 
 @dataclass(slots=True)

@@ -19,6 +19,7 @@ import aiohttp
 import zmq.asyncio
 from aiohttp import web
 
+from kvstrata.api.router_config import RouterSettings
 from kvstrata.router.core import Router
 from kvstrata.router.discovery import (
     EndpointSliceWatcher,
@@ -31,7 +32,6 @@ from kvstrata.router.metrics import RouterMetrics
 from kvstrata.router.pool import Endpoint
 from kvstrata.router.prompts import LocalTokenizer
 from kvstrata.router.proxy import build_app
-from kvstrata.router.settings import RouterSettings
 from kvstrata.router.subscriber import KvEventSubscriber
 
 log = logging.getLogger("kvstrata.router")

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from kvstrata.api.router_config import Discovery, StaticEndpoint
 from kvstrata.router.discovery import (
     ApiAccess,
     EndpointSliceWatcher,
@@ -19,7 +20,6 @@ from kvstrata.router.discovery import (
 )
 from kvstrata.router.main import UsageError, build_parser, load_settings, parse_endpoint
 from kvstrata.router.pool import EndpointPool, EndpointSpec
-from kvstrata.router.settings import Discovery, StaticEndpoint
 
 DISC = Discovery(service="demo-engine", engine_port=8000, kv_events_port=5557, kv_replay_port=5558)
 

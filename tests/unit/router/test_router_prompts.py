@@ -130,10 +130,10 @@ def test_parse_request_shapes() -> None:
 
 async def test_short_prompts_are_tokenized_inline_long_ones_in_the_pool(tok_dir: Path) -> None:
     """The thread hop costs more than encoding a short prompt; a long one must not hold the loop."""
+    from kvstrata.api.router_config import RouterSettings
     from kvstrata.router.core import Router
     from kvstrata.router.hashing import block_hashes
     from kvstrata.router.metrics import RouterMetrics
-    from kvstrata.router.settings import RouterSettings
 
     settings = RouterSettings.model_validate({"model": "m", "blockSize": 2, "remoteTokenize": False})
     tok = LocalTokenizer(tok_dir)

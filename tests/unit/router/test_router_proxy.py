@@ -16,9 +16,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from kvstrata.api.router_config import RouterSettings
 from kvstrata.router.hashing import char_block_hashes
 from kvstrata.router.service import RouterService
-from kvstrata.router.settings import RouterSettings
 
 MODEL = "tiny"
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 20

@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from kvstrata.api.router_config import RouterSettings, TierWeights
 from kvstrata.router.core import Router
 from kvstrata.router.index import BlockIndex, PrefixMatch
 from kvstrata.router.metrics import RouterMetrics
@@ -24,7 +25,6 @@ from kvstrata.router.scoring import (
     pick,
     rendezvous,
 )
-from kvstrata.router.settings import RouterSettings, TierWeights
 
 
 def ep(url: str, **state: float) -> Endpoint:

@@ -13,12 +13,12 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from kvstrata.api.router_config import RouterSettings
 from kvstrata.router.events import decode_payload
 from kvstrata.router.index import BlockIndex
 from kvstrata.router.metrics import RouterMetrics
 from kvstrata.router.pool import Endpoint, EndpointSpec
 from kvstrata.router.service import RouterService
-from kvstrata.router.settings import RouterSettings
 from kvstrata.router.subscriber import KvEventSubscriber
 
 TOPIC = b"kv-events"

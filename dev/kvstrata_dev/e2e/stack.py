@@ -25,7 +25,9 @@ from typing import Any
 import yaml
 
 from kvstrata.controller.hitrate import Counters
-from kvstrata.controller.localrun import (
+from kvstrata.controller.promtext import parse_engine
+from kvstrata_dev.localcluster.session import LocalCluster
+from kvstrata_dev.localrun import (
     Install,
     OperatorProcess,
     install_chart,
@@ -33,12 +35,9 @@ from kvstrata.controller.localrun import (
     uninstall_chart,
     wait_webhook_serving,
 )
-from kvstrata.controller.promtext import parse_engine
-from kvstrata.localcluster.session import LocalCluster
-from kvstrata.testing.engines import group_alive, spawn_logged
-from kvstrata.testing.tinymodel import ensure_tiny_model
+from kvstrata_dev.testing.engines import group_alive, spawn_logged
+from kvstrata_dev.testing.tinymodel import ensure_tiny_model
 
-REPO = Path(__file__).resolve().parents[3]
 Obj = dict[str, Any]
 
 
@@ -255,7 +254,7 @@ class Stack:
         argv = [
             sys.executable,
             "-m",
-            "kvstrata.e2e.launcher",
+            "kvstrata_dev.e2e.launcher",
             "--kubeconfig",
             str(self.lc.kubeconfig),
             "--state-dir",

@@ -5,7 +5,7 @@ so tests and benchmarks get a real engine with a real KV cache in about a minute
 The directory is written deterministically and idempotently: a stamp file records the parameters and
 a second call with the same parameters does nothing.
 
-CLI: ``python -m kvstrata.testing.tinymodel DEST [--num-layers N ...]``
+CLI: ``python -m kvstrata_dev.testing.tinymodel DEST [--num-layers N ...]``
 """
 
 from __future__ import annotations
@@ -260,7 +260,7 @@ def train_tokenizer_json(vocab_size: int, seed: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m kvstrata.testing.tinymodel", description=__doc__.split("\n")[0]
+        prog="python -m kvstrata_dev.testing.tinymodel", description=__doc__.split("\n")[0]
     )
     parser.add_argument("dest", nargs="?", type=Path, default=None, help="target directory (default: cache)")
     defaults = TinyModelParams("llama", 4, 512, 8, 8, 64, 4096, 4096, 0)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvstrata.localcluster.build import KWOK_STAGES
-from kvstrata.localcluster.layout import SERVICE_CIDR, Layout
+from kvstrata_dev.localcluster.build import KWOK_STAGES
+from kvstrata_dev.localcluster.layout import SERVICE_CIDR, Layout
 
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
 # kwok's fallback pool for a node without spec.podCIDR (ours all have one).

@@ -30,11 +30,10 @@ from typing import Any
 
 import yaml
 
-from kvstrata.localcluster.layout import Layout, free_port
-from kvstrata.localcluster.session import LocalCluster
+from kvstrata_dev.localcluster.layout import Layout, free_port
+from kvstrata_dev.localcluster.session import LocalCluster
+from kvstrata_dev.repo import CHART
 
-REPO = Path(__file__).resolve().parents[3]
-CHART = REPO / "charts" / "kvstrata"
 CRD_NAME = "inferenceclusters.kvstrata.io"
 RELEASE = "kvstrata"
 NAMESPACE = "kvstrata-system"

@@ -3,7 +3,7 @@ in the repo-root conftest.py are thin wrappers around `acquire`/`release`/`fresh
 
 Several pytest sessions may share one state dir at once (helpers run suites side by side): a
 file lock serialises `up`, each session registers its PID under `users/`, and the last live
-user tears down a cluster that a fixture started. A cluster started by hand (`kvstrata cluster
+user tears down a cluster that a fixture started. A cluster started by hand (`kvstrata-dev cluster
 up`) or with KVSTRATA_REUSE_CLUSTER=1 is never torn down by tests.
 """
 
@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kvstrata.localcluster import cluster, versions
-from kvstrata.localcluster.layout import Layout, State
+from kvstrata_dev.localcluster import cluster, versions
+from kvstrata_dev.localcluster.layout import Layout, State
 
 T = TypeVar("T")
 FIXTURE_MARK = "started-by-fixture"

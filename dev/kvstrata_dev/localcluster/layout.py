@@ -7,7 +7,7 @@ import socket
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvstrata.localcluster.pki import Pki
+from kvstrata_dev.localcluster.pki import Pki
 
 # Pods get IPs from here (kwok allocates them from each node's spec.podCIDR): a loopback range, so
 # an e2e launcher can bind a real process to a pod's IP and nothing leaves the machine.

@@ -1,7 +1,7 @@
 """`make demo`: the whole stack on the local cluster with real vLLM engines, a workload, live hit rates.
 
-    python -m kvstrata.e2e.demo up [--example examples/tiny-cpu.yaml] [--requests 32] [--exit]
-    python -m kvstrata.e2e.demo down
+    python -m kvstrata_dev.e2e.demo up [--example examples/tiny-cpu.yaml] [--requests 32] [--exit]
+    python -m kvstrata_dev.e2e.demo down
 
 `up` brings the local control plane up (building it on first use), installs the CRD, runs the operator,
 creates the model PVC, applies the example, runs the launcher (real engine and router processes for the
@@ -24,13 +24,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvstrata.e2e import workload
-from kvstrata.e2e.stack import REPO, Stack, StackError, load_manifest, say, stop_recorded
-from kvstrata.localcluster import cluster, versions
-from kvstrata.localcluster.layout import Layout
-from kvstrata.localcluster.session import CommandError
-from kvstrata.testing.engines import group_pids
-from kvstrata.testing.tinymodel import kvstrata_cache
+from kvstrata_dev.e2e import workload
+from kvstrata_dev.e2e.stack import REPO, Stack, StackError, load_manifest, say, stop_recorded
+from kvstrata_dev.localcluster import cluster, versions
+from kvstrata_dev.localcluster.layout import Layout
+from kvstrata_dev.localcluster.session import CommandError
+from kvstrata_dev.testing.engines import group_pids
+from kvstrata_dev.testing.tinymodel import kvstrata_cache
 
 DEFAULT_EXAMPLE = REPO / "examples" / "tiny-cpu.yaml"
 NAMESPACE = "kvstrata-demo"
@@ -156,16 +156,16 @@ def up(args: argparse.Namespace) -> int:
     state.mkdir(parents=True, exist_ok=True)
     (state / "demo.pid").write_text(str(os.getpid()))
     manifest = load_manifest(args.example)
-    from kvstrata.localcluster.session import acquire, release
+    from kvstrata_dev.localcluster.session import acquire, release
 
     layout = Layout(versions.default_state_dir().resolve())
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
 
-    say("local control plane: building on first use, else reusing (kvstrata cluster up)")
+    say("local control plane: building on first use, else reusing (kvstrata-dev cluster up)")
     lc = acquire()
-    from kvstrata.localcluster.session import FIXTURE_MARK
+    from kvstrata_dev.localcluster.session import FIXTURE_MARK
 
     with contextlib.suppress(OSError):
         if (Path(lc.state_dir) / FIXTURE_MARK).read_text().strip() == str(os.getpid()):
@@ -243,7 +243,7 @@ def up(args: argparse.Namespace) -> int:
         if not args.exit:
             print(
                 f"\nThe stack keeps running: kubectl -n {args.namespace} get ic,pods (after "
-                f"`eval $(kvstrata cluster env)`), curl {url}/v1/completions ...\n"
+                f"`eval $(kvstrata-dev cluster env)`), curl {url}/v1/completions ...\n"
                 "Press Ctrl-C here, or run `make demo-down`, to stop everything.",
                 flush=True,
             )
@@ -293,7 +293,7 @@ def down(_: argparse.Namespace) -> int:
     marker = state / "started-cluster"
     if marker.exists():
         layout = Layout(Path(marker.read_text().strip()))
-        from kvstrata.localcluster.session import FIXTURE_MARK, _live_users
+        from kvstrata_dev.localcluster.session import FIXTURE_MARK, _live_users
 
         if cluster.status(layout).any_up and not _live_users(layout):
             cluster.down(layout)
@@ -305,7 +305,7 @@ def down(_: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvstrata.e2e.demo", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kvstrata_dev.e2e.demo", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     u = sub.add_parser("up", help="bring the demo up, run the workload, print hit rates, wait for Ctrl-C")
     u.add_argument("--example", type=Path, default=DEFAULT_EXAMPLE)

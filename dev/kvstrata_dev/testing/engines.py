@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.planner.flags import unpinned_omp_env
-from kvstrata.testing.tinymodel import kvstrata_cache
+from kvstrata_dev.testing.tinymodel import kvstrata_cache
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 KV_EVENTS_TOPIC = "kv-events"

@@ -27,9 +27,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvstrata.localcluster.manifests import MANAGED_BY, PROVISIONER, STORAGE_CLASS
+from kvstrata_dev.localcluster.manifests import MANAGED_BY, PROVISIONER, STORAGE_CLASS
 
-log = logging.getLogger("kvstrata.localcluster.harness")
+log = logging.getLogger("kvstrata_dev.localcluster.harness")
 
 Obj = dict[str, Any]
 SLICE_SUFFIX = "-kvstrata-local"
@@ -275,7 +275,7 @@ class Harness:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvstrata.localcluster.harness")
+    p = argparse.ArgumentParser(prog="python -m kvstrata_dev.localcluster.harness")
     p.add_argument("--kubeconfig", type=Path, required=True)
     p.add_argument("--volumes-dir", type=Path, required=True)
     p.add_argument("--interval", type=float, default=1.0)

@@ -22,8 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstrata.localcluster import build, components, kubeconfig, manifests, pki, procs, versions
-from kvstrata.localcluster.layout import SERVICE_IP, Layout, State, choose_ports
+import kvstrata
+import kvstrata_dev
+from kvstrata_dev.localcluster import build, components, kubeconfig, manifests, pki, procs, versions
+from kvstrata_dev.localcluster.layout import SERVICE_IP, Layout, State, choose_ports
 
 # start order; `down` goes backwards
 ORDER = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "harness")
@@ -51,7 +53,7 @@ def status(layout: Layout) -> Status:
 
 
 def say(msg: str) -> None:
-    print(f"[kvstrata cluster] {msg}", file=sys.stderr, flush=True)
+    print(f"[kvstrata-dev cluster] {msg}", file=sys.stderr, flush=True)
 
 
 def _wait(what: str, check: Callable[[], bool], timeout: float, layout: Layout, name: str) -> None:
@@ -211,7 +213,7 @@ def _start_all(layout: Layout, bin_dir: Path, state: State, timeout: float) -> N
     harness_argv = [
         sys.executable,
         "-m",
-        "kvstrata.localcluster.harness",
+        "kvstrata_dev.localcluster.harness",
         f"--kubeconfig={layout.kubeconfig}",
         f"--volumes-dir={layout.volumes}",
     ]
@@ -231,10 +233,10 @@ def _start_all(layout: Layout, bin_dir: Path, state: State, timeout: float) -> N
 
 
 def _python_env() -> dict[str, str]:
-    """The harness must import this very package, also when it is not installed (PYTHONPATH runs)."""
+    """The harness must import the product and this package, also when they are not installed (PYTHONPATH runs)."""
     env = dict(os.environ)
-    pkg_root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH", "")) if p)
+    roots = [str(Path(m.__file__).resolve().parents[1]) for m in (kvstrata, kvstrata_dev)]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (*roots, env.get("PYTHONPATH", "")) if p)
     return env
 
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvstrata.testing.engines import vllm_python
+from kvstrata_dev.testing.engines import vllm_python
 
 PROBE = Path(__file__).with_name("vllm_probe.py")
 

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvstrata.localcluster import versions
+from kvstrata_dev.localcluster import versions
 
 STAMP = ".stamp.json"
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kwok", "helm")
@@ -305,14 +305,16 @@ def build(force: bool = False, keep_gocache: bool = False) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="kvstrata cluster build", description="build the control-plane binaries")
+    p = argparse.ArgumentParser(
+        prog="kvstrata-dev cluster build", description="build the control-plane binaries"
+    )
     p.add_argument("--force", action="store_true", help="rebuild even if the stamp exists")
     p.add_argument("--keep-gocache", action="store_true", help="keep the Go build cache (faster rebuilds)")
     args = p.parse_args(argv)
     try:
         print(build(force=args.force, keep_gocache=args.keep_gocache))
     except BuildError as e:
-        print(f"kvstrata cluster build: {e}", file=sys.stderr)
+        print(f"kvstrata-dev cluster build: {e}", file=sys.stderr)
         return 1
     return 0
 

@@ -13,7 +13,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from kvstrata.localcluster.layout import Layout
+from kvstrata_dev.localcluster.layout import Layout
 
 
 def start(layout: Layout, name: str, argv: list[str], env: dict[str, str] | None = None) -> int:
@@ -26,7 +26,7 @@ def start(layout: Layout, name: str, argv: list[str], env: dict[str, str] | None
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
-            start_new_session=True,  # survives the `kvstrata cluster up` that started it
+            start_new_session=True,  # survives the `kvstrata-dev cluster up` that started it
             env=env,
             close_fds=True,
         )

@@ -18,7 +18,7 @@ of the same InferenceCluster, and the router is restarted when that set changes 
 `podspec.static_discovery` for why EndpointSlices cannot be used locally).
 
 State for tests: `<state-dir>/procs.json` lists every managed pod with its process group id, IP and
-restart count. Run: `python -m kvstrata.e2e.launcher --kubeconfig K --state-dir D [--namespace NS]`.
+restart count. Run: `python -m kvstrata_dev.e2e.launcher --kubeconfig K --state-dir D [--namespace NS]`.
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstrata.e2e.podspec import LaunchSpec, PodSpecError, launch_spec, rewrite_paths, static_discovery
-from kvstrata.testing.engines import VllmEngine, group_alive, spawn_logged, vllm_python
+from kvstrata_dev.e2e.podspec import LaunchSpec, PodSpecError, launch_spec, rewrite_paths, static_discovery
+from kvstrata_dev.testing.engines import VllmEngine, group_alive, spawn_logged, vllm_python
 
-log = logging.getLogger("kvstrata.e2e.launcher")
+log = logging.getLogger("kvstrata_dev.e2e.launcher")
 
 Obj = dict[str, Any]
 MANAGED_SELECTOR = "app.kubernetes.io/managed-by=kvstrata"
@@ -456,7 +456,9 @@ class Launcher:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvstrata.e2e.launcher", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m kvstrata_dev.e2e.launcher", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--kubeconfig", type=Path, required=True)
     p.add_argument("--state-dir", type=Path, required=True, help="logs, per-pod volumes, procs.json")
     p.add_argument("--namespace", default=None, help="only this namespace (default: all)")

@@ -1,4 +1,4 @@
-"""`kvstrata cluster build|up|down|env|status`: the local control plane from the command line."""
+"""`kvstrata-dev cluster build|up|down|env|status`: the local control plane from the command line."""
 
 from __future__ import annotations
 
@@ -7,17 +7,17 @@ import json
 import sys
 from pathlib import Path
 
-from kvstrata.localcluster import build, cluster, versions
-from kvstrata.localcluster.layout import Layout, State
+from kvstrata_dev.localcluster import build, cluster, versions
+from kvstrata_dev.localcluster.layout import Layout, State
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="kvstrata cluster", description="the local Kubernetes control plane (kwok nodes)"
+        prog="kvstrata-dev cluster", description="the local Kubernetes control plane (kwok nodes)"
     )
     state_help = "where kubeconfig, certs, logs and PIDs live (default $KVSTRATA_CLUSTER_DIR or $KVSTRATA_CACHE/cluster)"
     p.add_argument("--state-dir", type=Path, default=None, help=state_help)
-    # also accepted after the subcommand (`kvstrata cluster up --state-dir DIR`)
+    # also accepted after the subcommand (`kvstrata-dev cluster up --state-dir DIR`)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--state-dir", type=Path, default=argparse.SUPPRESS, help=state_help)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -42,7 +42,7 @@ def main(argv: list[str]) -> int:
     try:
         return _dispatch(args, layout)
     except (cluster.ClusterError, build.BuildError, OSError) as e:
-        print(f"kvstrata cluster {args.cmd}: {e}", file=sys.stderr)
+        print(f"kvstrata-dev cluster {args.cmd}: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
@@ -64,7 +64,7 @@ def _dispatch(args: argparse.Namespace, layout: Layout) -> int:
         state = State.load(layout)
         if state is None or not cluster.status(layout).all_up:
             print(
-                f"kvstrata cluster env: no running cluster in {layout.root} (run `kvstrata cluster up`)",
+                f"kvstrata-dev cluster env: no running cluster in {layout.root} (run `kvstrata-dev cluster up`)",
                 file=sys.stderr,
             )
             return 1

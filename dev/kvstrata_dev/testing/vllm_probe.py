@@ -1,7 +1,7 @@
 """Ask vLLM itself: run with the vLLM venv's python, as a file, JSON request on stdin, JSON reply on stdout.
 
 The project's venv does not contain vLLM (it pins its own torch and ~60 libraries), so tests that must
-agree with vLLM run this script in vLLM's venv through ``kvstrata.testing.vllm_probe_client``. It uses
+agree with vLLM run this script in vLLM's venv through ``kvstrata_dev.testing.vllm_probe_client``. It uses
 only the standard library and vLLM, never the kvstrata package.
 
 Operations (``{"op": ..., ...}`` on stdin):
@@ -19,7 +19,7 @@ Operations (``{"op": ..., ...}`` on stdin):
              server parser accepts it, with its error message when not.
 
 Run by hand: ``echo '{"op": "parse-args", "argvs": [["--kv-cache-dtype", "int8"]]}' |
-VLLM_TARGET_DEVICE=cpu ~/.cache/kvstrata/vllm-0.32.0/bin/python operator/kvstrata/testing/vllm_probe.py``
+VLLM_TARGET_DEVICE=cpu ~/.cache/kvstrata/vllm-0.32.0/bin/python dev/kvstrata_dev/testing/vllm_probe.py``
 """
 
 from __future__ import annotations
