@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
 
 from kvstrata.api.models import (
     GROUP,
@@ -100,9 +101,10 @@ def _structural(node: dict[str, Any]) -> dict[str, Any]:
     return node
 
 
-def openapi_schema(model: type) -> dict[str, Any]:
+def openapi_schema(model: type[BaseModel]) -> dict[str, Any]:
     raw = model.model_json_schema(by_alias=True, mode="validation")
-    return _resolve(raw, raw.get("$defs", {}))
+    resolved: dict[str, Any] = _resolve(raw, raw.get("$defs", {}))
+    return resolved
 
 
 def crd() -> dict[str, Any]:

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
+from pydantic.config import JsonDict
 
 from kvstrata.api.quantity import Quantity
 
@@ -29,9 +30,9 @@ RoutingPolicy = Literal["kv-aware", "prefix-hash", "least-load", "round-robin"]
 HashAlgo = Literal["sha256", "sha256_cbor"]
 
 
-def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
+def cel(rule: str, message: str, field_path: str | None = None) -> JsonDict:
     """One `x-kubernetes-validations` entry; fieldPath makes kubectl name the offending field."""
-    out = {"rule": rule, "message": message}
+    out: JsonDict = {"rule": rule, "message": message}
     if field_path:
         out["fieldPath"] = field_path
     return out

@@ -26,7 +26,7 @@ def quantity_bytes(value: str | int) -> int:
 def quantity_units(value: str | int) -> int:
     """Whole units in a Quantity, rounded up: bytes of a memory size, CPUs of a cpu request."""
     try:
-        amount = parse_quantity(value)
+        amount: Decimal = parse_quantity(value)  # type: ignore[no-untyped-call]  # kubernetes is untyped
     except (ValueError, InvalidOperation, TypeError) as err:
         raise ValueError(f"{value!r} is not a Kubernetes quantity (e.g. 64Gi, 500G, 1073741824)") from err
     if amount < 0:

@@ -84,7 +84,8 @@ def architecture_from_hf_config(cfg: dict[str, Any]) -> Architecture:
 def load_hf_config(path: Path) -> dict[str, Any]:
     """config.json from a file or a model directory."""
     file = path / "config.json" if path.is_dir() else path
-    return json.loads(file.read_text())
+    config: dict[str, Any] = json.loads(file.read_text())
+    return config
 
 
 def resolve_architecture(model: ModelSpec) -> Architecture:

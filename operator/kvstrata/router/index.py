@@ -123,12 +123,12 @@ class BlockIndex:
                     blocks.move_to_end(h)
             self._enforce_bound()
         elif isinstance(event, BlockRemoved):
-            blocks = self._eps.get(endpoint)
-            if blocks is None:
+            held = self._eps.get(endpoint)
+            if held is None:
                 return
             bit = _MEDIUM_BIT.get(event.medium, GPU)
             for h in event.block_hashes:
-                entry = blocks.get(h)
+                entry = held.get(h)
                 if entry is None:
                     continue
                 mask = int(entry[0]) & ~bit & REAL
@@ -136,7 +136,7 @@ class BlockIndex:
                     entry[0] = mask
                 else:
                     # Gone from every tier; a pending prediction for it is wrong too.
-                    del blocks[h]
+                    del held[h]
                     self._size -= 1
         elif isinstance(event, AllBlocksCleared):
             self._clear(endpoint)
