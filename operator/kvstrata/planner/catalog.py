@@ -10,7 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 
-def _llama(layers: int, heads: int, kv: int, hidden: int, head_dim: int, params: float, **extra: Any) -> dict:
+def _llama(
+    layers: int, heads: int, kv: int, hidden: int, head_dim: int, params: float, **extra: Any
+) -> dict[str, Any]:
     return {
         "model_type": "llama",
         "num_hidden_layers": layers,
@@ -27,7 +29,7 @@ def _llama(layers: int, heads: int, kv: int, hidden: int, head_dim: int, params:
 
 def _qwen(
     model_type: str, layers: int, heads: int, kv: int, hidden: int, params: float, max_pos: int, vocab: int
-) -> dict:
+) -> dict[str, Any]:
     return {
         "model_type": model_type,
         "num_hidden_layers": layers,
