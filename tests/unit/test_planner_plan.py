@@ -196,4 +196,3 @@ def test_unknown_model_is_a_problem_on_the_model_name() -> None:
     (problem,) = p.problems
     assert problem.field == "spec.model.name"
     assert problem.reason.startswith("'nope' is not in the planner's catalog")
-
