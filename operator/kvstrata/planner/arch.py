@@ -90,8 +90,8 @@ def architecture_from_hf_config(cfg: dict[str, Any]) -> Architecture:
 def load_hf_config(path: Path) -> dict[str, Any]:
     """config.json from a file or a model directory."""
     file = path / "config.json" if path.is_dir() else path
-    cfg: dict[str, Any] = json.loads(file.read_text())
-    return cfg
+    config: dict[str, Any] = json.loads(file.read_text())
+    return config
 
 
 def resolve_architecture(model: ModelSpec) -> Architecture:
