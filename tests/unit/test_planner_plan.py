@@ -108,6 +108,8 @@ def test_128k_context_on_one_gpu_is_refused_with_the_fixes() -> None:
     # they are not offered; two GPUs would.
     assert "fp8" not in msg and "memoryUtilization" not in msg
     assert "raise spec.engine.tensorParallelSize to 2" in msg
+    # 4 GPUs would fit too, but each knob is offered once, at its first working value.
+    assert msg.count("tensorParallelSize") == 1
     assert "lower spec.engine.maxModelLen to" in msg
 
 
@@ -185,3 +187,12 @@ def test_one_max_length_sequence_must_fit_beside_the_null_block() -> None:
     assert p.verdict == "infeasible"
     assert "lower spec.engine.maxModelLen to 2,016" in p.problems[0].message()
     assert plan_of(with_changes(exact, {"spec.kvCache.tiers.gpu.numBlocks": 65})).verdict == "fits"
+
+
+def test_unknown_model_is_a_problem_on_the_model_name() -> None:
+    doc = with_changes(example("tiny-cpu.yaml"), {"spec.model.architecture": ..., "spec.model.name": "nope"})
+    p = plan_of(doc)
+    assert p.verdict == "infeasible"
+    (problem,) = p.problems
+    assert problem.field == "spec.model.name"
+    assert problem.reason.startswith("'nope' is not in the planner's catalog")

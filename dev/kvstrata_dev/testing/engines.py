@@ -22,11 +22,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvstrata.api.models import InferenceClusterSpec
+from kvstrata.planner import flags, plan
+from kvstrata.planner.arch import architecture_from_hf_config
+from kvstrata.planner.constants import KV_EVENTS_TOPIC
 from kvstrata.planner.flags import unpinned_omp_env
 from kvstrata_dev.testing.tinymodel import kvstrata_cache
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-KV_EVENTS_TOPIC = "kv-events"
 _STOP_GRACE_S = 20.0
 # vLLM log lines start with "(EngineCore pid=1) ERROR 11-22 18:35:32 [core.py:1510] ".
 _LOG_PREFIX = re.compile(r"^\([^)]*\) [A-Z]+ \S+ \S+ \[[^\]]*\] ")
@@ -105,6 +108,55 @@ def kv_events_config(pub_port: int, replay_host: str | None = None, replay_port:
     return json.dumps(cfg, separators=(",", ":"))
 
 
+def engine_spec(
+    model_dir: Path | str,
+    *,
+    served_model_name: str = "tiny",
+    block_size: int = 32,
+    num_gpu_blocks_override: int | None = None,
+    max_model_len: int = 4096,
+    max_num_seqs: int = 16,
+    extra_args: Sequence[str] = (),
+) -> InferenceClusterSpec:
+    """The InferenceCluster spec of a test engine: device cpu, the model's own config.json as its
+    architecture, dummy weights. The operator would render exactly this spec's engine flags."""
+    config = Path(model_dir) / "config.json"
+    if not config.exists():
+        raise EngineError(f"{config} not found: a test engine needs a model directory (tinymodel.py)")
+    arch = architecture_from_hf_config(json.loads(config.read_text()))
+    gpu_tier: dict[str, Any] = {}
+    if num_gpu_blocks_override is not None:
+        gpu_tier["numBlocks"] = num_gpu_blocks_override
+    return InferenceClusterSpec.model_validate(
+        {
+            "model": {
+                "name": served_model_name,
+                "source": "pvc://models/local",  # replaced by model_dir in localize()
+                "servedName": served_model_name,
+                "loadFormat": "dummy",
+                "dtype": "bfloat16",
+                "architecture": arch.wire(),
+            },
+            "engine": {
+                "device": "cpu",
+                "maxModelLen": max_model_len,
+                "maxNumSeqs": max_num_seqs,
+                "extraArgs": list(extra_args),
+            },
+            "kvCache": {"blockSize": block_size, "hashAlgo": "sha256", "tiers": {"gpu": gpu_tier}},
+        }
+    )
+
+
+def rendered_engine_args(spec: InferenceClusterSpec) -> list[str]:
+    """The engine container's args as the operator renders them for `spec` (planner/flags.py).
+
+    Taken from the flags module even when the plan is infeasible: tests start engines the planner
+    predicts vLLM will refuse, to check that it does."""
+    p = plan(spec, suggest_fixes=False)
+    return p.engine_args if p.feasible else flags.engine_args(spec, p)
+
+
 def engine_args(
     model_dir: Path | str,
     *,
@@ -113,43 +165,68 @@ def engine_args(
     served_model_name: str = "tiny",
     block_size: int = 32,
     num_gpu_blocks_override: int | None = None,
-    max_model_len: int | None = 4096,
-    max_num_seqs: int | None = 16,
+    max_model_len: int = 4096,
+    max_num_seqs: int = 16,
     kv_events_port: int | None = None,
     kv_replay_port: int | None = None,
     extra_args: Sequence[str] = (),
 ) -> list[str]:
-    """The api_server flags (after the program) of a test engine on the tiny model."""
-    args = [
-        "--model",
-        str(model_dir),
-        "--served-model-name",
-        served_model_name,
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--load-format",
-        "dummy",
-        "--dtype",
-        "bfloat16",
-        "--block-size",
-        str(block_size),
-        "--enable-prefix-caching",
-        "--prefix-caching-hash-algo",
-        "sha256",
-    ]
-    if max_model_len is not None:
-        args += ["--max-model-len", str(max_model_len)]
-    if max_num_seqs is not None:
-        args += ["--max-num-seqs", str(max_num_seqs)]
-    if num_gpu_blocks_override is not None:
-        args += ["--num-gpu-blocks-override", str(num_gpu_blocks_override)]
-    if kv_events_port is not None:
-        args += ["--kv-events-config", kv_events_config(kv_events_port, host, kv_replay_port)]
-    elif kv_replay_port is not None:
+    """The api_server flags (after the program) of a test engine: the operator's rendered flags for
+    the engine's spec (`rendered_engine_args`), then `localize` for this machine."""
+    if kv_replay_port is not None and kv_events_port is None:
         raise ValueError("kv_replay_port needs kv_events_port")
-    return args + list(extra_args)
+    spec = engine_spec(
+        model_dir,
+        served_model_name=served_model_name,
+        block_size=block_size,
+        num_gpu_blocks_override=num_gpu_blocks_override,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        extra_args=extra_args,
+    )
+    return localize(
+        rendered_engine_args(spec),
+        model_dir=model_dir,
+        host=host,
+        port=port,
+        kv_events_port=kv_events_port,
+        kv_replay_port=kv_replay_port,
+    )
+
+
+def localize(
+    args: Sequence[str],
+    *,
+    model_dir: Path | str,
+    host: str,
+    port: int,
+    kv_events_port: int | None,
+    kv_replay_port: int | None,
+) -> list[str]:
+    """Rendered engine flags made runnable as a local process: what a pod has that a process on this
+    machine does not. The model is a local directory instead of a volume; the HTTP server binds a given
+    address and port instead of the pod's own 0.0.0.0:8000; the KV-event PUB and replay sockets get
+    free ports, or are left out when the caller does not listen (engines side by side share one
+    network namespace, so the rendered fixed ports would collide). Every other flag is kept exactly."""
+    out = rebind_engine_args(
+        args,
+        model_dir=model_dir,
+        host=host,
+        port=port,
+        kv_events_port=kv_events_port,
+        kv_replay_port=kv_replay_port,
+    )
+    if "--kv-events-config" not in out:
+        return out
+    i = out.index("--kv-events-config")
+    if kv_events_port is None:
+        del out[i : i + 2]
+        return out
+    if kv_replay_port is None:
+        cfg = json.loads(out[i + 1])
+        cfg.pop("replay_endpoint", None)
+        out[i + 1] = json.dumps(cfg, separators=(",", ":"))
+    return out
 
 
 def rebind_engine_args(
@@ -229,8 +306,8 @@ class VllmEngine:
         block_size: int = 32,
         kv_cache_space_gib: int | None = 1,
         num_gpu_blocks_override: int | None = None,
-        max_model_len: int | None = 4096,
-        max_num_seqs: int | None = 16,
+        max_model_len: int = 4096,
+        max_num_seqs: int = 16,
         kv_events_port: int | None = None,
         kv_replay_port: int | None = None,
         extra_args: Sequence[str] = (),

@@ -1,6 +1,6 @@
 """Live cache figures in the InferenceCluster status: a per-cluster timer that scrapes /metrics.
 
-Every `interval` seconds (env `KVSTRATA_CACHE_STATUS_INTERVAL`, default 15) the timer lists the cluster's
+Every `interval` seconds (`OperatorConfig.cache_status`: env `KVSTRATA_CACHE_STATUS_INTERVAL`, default 15) the timer lists the cluster's
 engine and router pods, scrapes each *ready* one concurrently (aiohttp, `timeout` each), folds the engine
 counters into the cluster's `CacheTracker` (`hitrate`) and writes `status.cache`, `status.router` and the
 `MetricsAvailable` condition with one merge patch of the status subresource.
@@ -18,9 +18,7 @@ counters into the cluster's `CacheTracker` (`hitrate`) and writes `status.cache`
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -40,6 +38,9 @@ from kvstrata.controller.promtext import (
     parse_router,
     sum_routers,
 )
+from kvstrata.controller.settings import CacheStatusSettings
+from kvstrata.controller.status import Cond, merge_conditions
+from kvstrata.controller.statussync import utc_now
 
 log = logging.getLogger("kvstrata.cache_status")
 
@@ -68,36 +69,6 @@ KV_USAGE = Gauge(
     ["namespace", "inferencecluster"],
     registry=REGISTRY,
 )
-
-
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
-    if value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value}")
-    return value
-
-
-@dataclass(frozen=True)
-class CacheStatusSettings:
-    interval: float = 15.0
-    window: float = 300.0
-    timeout: float = 3.0
-    heartbeat: float = 300.0
-
-    @classmethod
-    def from_env(cls) -> CacheStatusSettings:
-        return cls(
-            interval=_env_float("KVSTRATA_CACHE_STATUS_INTERVAL", 15.0),
-            window=_env_float("KVSTRATA_CACHE_STATUS_WINDOW", 300.0),
-            timeout=_env_float("KVSTRATA_CACHE_STATUS_TIMEOUT", 3.0),
-            heartbeat=_env_float("KVSTRATA_CACHE_STATUS_HEARTBEAT", 300.0),
-        )
 
 
 # ------------------------------------------------------------------------------------------ pods
@@ -237,17 +208,9 @@ def merged_conditions(
     old = next((c for c in current if c.get("type") == CONDITION), None)
     if old and (old.get("status"), old.get("reason"), old.get("message")) == cond:
         return None
-    since = old.get("lastTransitionTime") if old and old.get("status") == status else None
-    mine: Obj = {
-        "type": CONDITION,
-        "status": status,
-        "reason": reason,
-        "message": message,
-        "lastTransitionTime": since or now,
-    }
-    if generation is not None:
-        mine["observedGeneration"] = generation
-    return [c for c in current if c.get("type") != CONDITION] + [mine]
+    return merge_conditions(
+        [Cond(CONDITION, status, reason, message)], current, generation, now, ours_last=True
+    )
 
 
 def _without_time(cache: Obj | None) -> Obj:
@@ -272,10 +235,6 @@ def status_patch(
 
 
 # -------------------------------------------------------------------------------------- the timer
-def utc_now() -> str:
-    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 async def _fetch(http: aiohttp.ClientSession, url: str, timeout: float) -> str:
     async with http.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
         if resp.status != 200:
@@ -297,7 +256,7 @@ class CacheStatusScraper:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.kube = kube
-        self.settings = settings or CacheStatusSettings.from_env()
+        self.settings = settings or CacheStatusSettings()
         self.on_written = on_written
         self.clock = clock
         self.memory: dict[str, ClusterMemory] = {}
@@ -425,7 +384,9 @@ def register(registry: Any, rt: Any) -> None:
     and receives our status writes so that the reconciler's next write carries them."""
     import kopf
 
-    scraper = CacheStatusScraper(rt.kube, on_written=lambda key, resp: _remember(rt.store, key, resp))
+    scraper = CacheStatusScraper(
+        rt.kube, rt.config.cache_status, on_written=lambda key, resp: _remember(rt.store, key, resp)
+    )
     tasks: list[asyncio.Task[None]] = []
 
     @kopf.on.startup(registry=registry)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import kopf
 
@@ -74,7 +74,13 @@ async def resync_forever(rt: Runtime) -> None:
 
 
 def _emit(body: dict[str, Any], type_: str, reason: str, message: str) -> None:
-    kopf.event(body, type=type_, reason=reason, message=message)
+    # kopf.Body wraps the raw dict it reads; a plain dict is what it is made from.
+    kopf.event(kopf.Body(cast(kopf.RawBody, body)), type=type_, reason=reason, message=message)
+
+
+def _object(event: kopf.RawEvent) -> dict[str, Any]:
+    """The watched object of a raw watch event, as the plain dict the store keeps."""
+    return cast(dict[str, Any], event.get("object") or {})
 
 
 def build_runtime(config: OperatorConfig, kube: Kube) -> Runtime:
@@ -141,7 +147,7 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
     @kopf.on.resume(**ic, id="reconcile")
     @kopf.on.create(**ic, id="reconcile")
     @kopf.on.update(**ic, id="reconcile", field="spec")
-    def reconcile(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+    def reconcile(*, body: kopf.Body, logger: kopf.Logger, **kwargs: Any) -> None:
         try:
             outcome = rt.reconciler.reconcile(dict(body))
         except Retry as err:
@@ -154,8 +160,8 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
             logger.info(f"applied: {outcome.record.message}")
 
     @kopf.on.event(**ic, id="cluster-status")
-    async def cluster_event(event: dict[str, Any], **_: Any) -> None:
-        obj = event.get("object") or {}
+    async def cluster_event(*, event: kopf.RawEvent, **kwargs: Any) -> None:
+        obj = _object(event)
         if not obj.get("metadata", {}).get("name"):
             return
         if event.get("type") == "DELETED":
@@ -167,8 +173,8 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
         metrics.CLUSTERS.set(len(rt.store))
 
     def child_handler(kind: str) -> Any:
-        async def child_event(event: dict[str, Any], **_: Any) -> None:
-            obj = event.get("object") or {}
+        async def child_event(*, event: kopf.RawEvent, **kwargs: Any) -> None:
+            obj = _object(event)
             if not obj.get("metadata", {}).get("name"):
                 return
             deleted = event.get("type") == "DELETED"
@@ -195,7 +201,10 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
     if rt.config.webhook:
 
         @kopf.on.validate(**ic, id=WEBHOOK_ID, operations=["CREATE", "UPDATE"])
-        async def validate(body: kopf.Body, old: Any, operation: str, warnings: list[str], **_: Any) -> None:
+        async def validate(*, body: kopf.Body, warnings: list[str], **kwargs: Any) -> None:
+            # kopf passes these to validating handlers beyond its WebhookFn protocol.
+            old: Any = kwargs.get("old")
+            operation = str(kwargs.get("operation") or "")
             decision = await webhook.review(rt.kube, dict(body), dict(old) if old else None, operation)
             warnings.extend(decision.warnings)
             metrics.ADMISSIONS.labels("allowed" if decision.allowed else "denied").inc()

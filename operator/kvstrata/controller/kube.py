@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 from urllib.parse import quote
 
 Obj = dict[str, Any]
@@ -108,10 +109,13 @@ class Kube:
 
         cfg = client.Configuration()
         path = kubeconfig or os.environ.get("KUBECONFIG")
+        # The kubernetes client is untyped: its two loaders, named with the signature we use.
+        load_file = cast(Callable[..., None], config.load_kube_config)
+        load_incluster = cast(Callable[..., None], config.load_incluster_config)
         if path or not os.environ.get("KUBERNETES_SERVICE_HOST"):
-            config.load_kube_config(config_file=path, client_configuration=cfg)
+            load_file(config_file=path, client_configuration=cfg)
         else:
-            config.load_incluster_config(client_configuration=cfg)
+            load_incluster(client_configuration=cfg)
         cfg.connection_pool_maxsize = pool_size
         return cls(client.ApiClient(cfg))
 
@@ -187,7 +191,10 @@ class Kube:
         self, api_version: str, kind: str, namespace: str | None, label_selector: str | None = None
     ) -> list[Obj]:
         query = [("labelSelector", label_selector)] if label_selector else []
-        return self.request("GET", path_for(api_version, kind, namespace), query=query).get("items", [])
+        items: list[Obj] = self.request("GET", path_for(api_version, kind, namespace), query=query).get(
+            "items", []
+        )
+        return items
 
     def apply(self, obj: Obj, manager: str, force: bool = True) -> Obj:
         """Server-side apply: the object is the complete set of fields `manager` owns."""

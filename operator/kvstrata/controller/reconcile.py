@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from kvstrata.controller import metrics
@@ -40,11 +41,28 @@ class Fatal(Exception):
     """Retrying the same spec cannot help (the apiserver rejects what we render)."""
 
 
+class Severity(Enum):
+    INFO = "info"
+    WARNING = "warning"
+
+
+# Kubernetes Event types by severity.
+EVENT_TYPE = {Severity.INFO: "Normal", Severity.WARNING: "Warning"}
+
+
+@dataclass(frozen=True)
+class Note:
+    """Something an apply did besides applying, worth an Event."""
+
+    severity: Severity
+    text: str
+
+
 @dataclass
 class Outcome:
     result: str  # applied | infeasible
     record: PlanRecord
-    notes: list[str] = field(default_factory=list)
+    notes: list[Note] = field(default_factory=list)
 
 
 def _record(body: Obj, verdict: Verdict) -> PlanRecord:
@@ -147,17 +165,17 @@ class Reconciler:
         except WaitingError as err:
             metrics.ERRORS.labels("waiting").inc()
             raise Retry(str(err), 2.0) from None
-        notes = list(result.warnings)
+        # The applier's warnings are what it could not do (e.g. grow a PVC).
+        notes = [Note(Severity.WARNING, w) for w in result.warnings]
         if result.recreated_statefulset:
-            notes.append(
+            text = (
                 f"re-created StatefulSet {engine_name(meta['name'])} (orphaning its pods) to change its "
                 "volumeClaimTemplates"
                 + (f"; grew PVCs {', '.join(result.expanded_pvcs)}" if result.expanded_pvcs else "")
             )
+            notes.append(Note(Severity.INFO, text))
         for note in notes:
-            self.emit(
-                body, "Normal" if not note.startswith("could not") else "Warning", "Applied", note[:1024]
-            )
+            self.emit(body, EVENT_TYPE[note.severity], "Applied", note.text[:1024])
         for obj in result.applied:
             if obj.get("kind") in ("StatefulSet", "Deployment"):
                 self.store.observe_child(obj["kind"], obj)

@@ -4,8 +4,18 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+
+@dataclass(frozen=True)
+class CacheStatusSettings:
+    """The status.cache scraper's timing (cache_status.py), seconds."""
+
+    interval: float = 15.0
+    window: float = 300.0
+    timeout: float = 3.0
+    heartbeat: float = 300.0
 
 
 @dataclass(frozen=True)
@@ -25,6 +35,7 @@ class OperatorConfig:
     workers: int = 8
     status_min_interval: float = 1.0
     resync_interval: float = 600.0
+    cache_status: CacheStatusSettings = field(default_factory=CacheStatusSettings)
 
     @property
     def liveness_endpoint(self) -> str | None:
@@ -33,6 +44,30 @@ class OperatorConfig:
 
 def _env(name: str, default: str) -> str:
     return os.environ.get(f"KVSTRATA_{name}", default)
+
+
+def _env_seconds(name: str, default: float) -> float:
+    """A positive number of seconds from KVSTRATA_<name>; unset or empty is the default."""
+    raw = os.environ.get(f"KVSTRATA_{name}")
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"KVSTRATA_{name}={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise ValueError(f"KVSTRATA_{name} must be > 0, got {value}")
+    return value
+
+
+def cache_status_from_env() -> CacheStatusSettings:
+    d = CacheStatusSettings()
+    return CacheStatusSettings(
+        interval=_env_seconds("CACHE_STATUS_INTERVAL", d.interval),
+        window=_env_seconds("CACHE_STATUS_WINDOW", d.window),
+        timeout=_env_seconds("CACHE_STATUS_TIMEOUT", d.timeout),
+        heartbeat=_env_seconds("CACHE_STATUS_HEARTBEAT", d.heartbeat),
+    )
 
 
 def parser() -> argparse.ArgumentParser:
@@ -103,4 +138,5 @@ def parse(argv: list[str]) -> OperatorConfig:
         workers=max(1, args.workers),
         status_min_interval=max(0.0, args.status_min_interval),
         resync_interval=max(0.0, args.resync_interval),
+        cache_status=cache_status_from_env(),
     )

@@ -8,6 +8,7 @@ only when its status does, so repeated writes of the same facts never look like 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -213,26 +214,32 @@ def conditions(rec: PlanRecord, obs: Observed) -> list[Cond]:
     return [planned, *parts, ready]
 
 
-def merge_conditions(new: list[Cond], previous: list[Obj], generation: int, now: str) -> list[Obj]:
-    """KEP-1623 conditions: keep lastTransitionTime when the status is unchanged; keep others' conditions."""
+def merge_conditions(
+    new: Sequence[Cond], previous: Sequence[Obj], generation: int | None, now: str, *, ours_last: bool = False
+) -> list[Obj]:
+    """KEP-1623 conditions: keep lastTransitionTime when the status is unchanged; keep others' conditions.
+
+    Both status writers (the reconciler's conditions here, `MetricsAvailable` in cache_status) merge
+    through this. `ours_last` puts the foreign conditions first (cache_status appends its one condition
+    to the live list); `generation` None leaves observedGeneration out."""
     prev = {c.get("type"): c for c in previous or []}
-    out = []
+    ours: list[Obj] = []
     for c in new:
         old = prev.get(c.type)
         since = old.get("lastTransitionTime") if old and old.get("status") == c.status else None
-        out.append(
-            {
-                "type": c.type,
-                "status": c.status,
-                "reason": c.reason,
-                "message": c.message[:32000],
-                "lastTransitionTime": since or now,
-                "observedGeneration": generation,
-            }
-        )
+        cond: Obj = {
+            "type": c.type,
+            "status": c.status,
+            "reason": c.reason,
+            "message": c.message[:32000],
+            "lastTransitionTime": since or now,
+        }
+        if generation is not None:
+            cond["observedGeneration"] = generation
+        ours.append(cond)
     owned = {c.type for c in new}
-    out += [c for c in previous or [] if c.get("type") not in owned]
-    return out
+    foreign = [c for c in previous or [] if c.get("type") not in owned]
+    return foreign + ours if ours_last else ours + foreign
 
 
 def desired_status(rec: PlanRecord, obs: Observed, previous: Obj | None, now: str) -> Obj:

@@ -8,13 +8,19 @@ from typing import Any
 
 from kvstrata.api.models import ArchitectureOverrides, ModelSpec
 from kvstrata.planner import catalog
+from kvstrata.planner.problem import Problem
 
 # One type for every source: the API's override model already names exactly what sizing needs.
 Architecture = ArchitectureOverrides
 
 
 class UnknownModel(ValueError):
-    """The model is neither in the catalog nor described by spec.model.architecture."""
+    """The model is neither in the catalog nor described by spec.model.architecture; carries the
+    planner's Problem so the plan reports it as is."""
+
+    def __init__(self, problem: Problem) -> None:
+        super().__init__(problem.message())
+        self.problem = problem
 
 
 def _sliding_layers(cfg: dict[str, Any], layers: int) -> tuple[int | None, int]:
@@ -98,8 +104,11 @@ def resolve_architecture(model: ModelSpec) -> Architecture:
     if entry is None:
         known = ", ".join(sorted(catalog.CATALOG)[:6])
         raise UnknownModel(
-            f"spec.model.name: {model.name!r} is not in the planner's catalog; set spec.model.architecture "
-            f"(numLayers, numAttentionHeads, numKvHeads, headDim, hiddenSize, paramsBillions from its "
-            f"config.json) or use a catalog model such as {known}"
+            Problem(
+                "spec.model.name",
+                f"{model.name!r} is not in the planner's catalog; set spec.model.architecture "
+                f"(numLayers, numAttentionHeads, numKvHeads, headDim, hiddenSize, paramsBillions from its "
+                f"config.json) or use a catalog model such as {known}",
+            )
         )
     return architecture_from_hf_config(entry)

@@ -27,6 +27,7 @@ from kvstrata.planner.kv import (
     sequence_bytes,
     tokens_in,
 )
+from kvstrata.planner.problem import Fix, Problem
 
 Verdict = Literal["fits", "fits-with-offload", "infeasible"]
 
@@ -43,19 +44,6 @@ LMCACHE_SIDECAR_OVERHEAD = 2 * GIB
 LMCACHE_STAGING_CPU = 1 * GIB
 # LMCache's disk tier gets 90% of the PVC: filesystem metadata and in-flight temp files need the rest.
 NVME_USABLE_SHARE = 0.9
-
-
-@dataclass(frozen=True)
-class Problem:
-    """Why a plan cannot work, where, and what to change."""
-
-    field: str
-    reason: str
-    fixes: tuple[str, ...] = ()
-
-    def message(self) -> str:
-        fix = f": {'; or '.join(self.fixes)}" if self.fixes else ""
-        return f"{self.field}: {self.reason}{fix}"
 
 
 @dataclass(frozen=True)
@@ -354,9 +342,7 @@ def plan(spec: InferenceClusterSpec, *, suggest_fixes: bool = True) -> Plan:
     try:
         arch = resolve_architecture(spec.model)
     except UnknownModel as err:
-        return Plan(
-            verdict="infeasible", architecture=None, block_size=block, problems=[Problem(*_split(err))]
-        )
+        return Plan(verdict="infeasible", architecture=None, block_size=block, problems=[err.problem])
     out = Plan(verdict="fits", architecture=arch, block_size=block)
     out.max_num_batched_tokens = eng.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS[eng.device]
     out.problems += _structural_problems(spec, arch)
@@ -416,51 +402,64 @@ def plan(spec: InferenceClusterSpec, *, suggest_fixes: bool = True) -> Plan:
     return out
 
 
-def _split(err: UnknownModel) -> tuple[str, str]:
-    text = str(err)
-    field_, _, reason = text.partition(": ")
-    return field_, reason
-
-
 def _max_len_problem(
     spec: InferenceClusterSpec, arch: Architecture, plan: Plan, layer_bytes: int, pool: int, in_flight: int
 ) -> Problem:
     """vLLM's own start-up refusal, predicted, with fixes that each verifiably make the plan fit."""
     eng, kv = spec.engine, spec.kv_cache
     block = plan.block_size
-    candidates: list[tuple[str, dict[str, Any]]] = []
+    candidates: list[Fix] = []
     if kv.dtype not in {"fp8", "fp8_e4m3", "fp8_e5m2"}:
         candidates.append(
-            ("use spec.kvCache.dtype fp8 (halves bytes per token)", {"kvCache": {"dtype": "fp8"}})
+            Fix(
+                "spec.kvCache.dtype",
+                "fp8",
+                "use spec.kvCache.dtype fp8 (halves bytes per token)",
+                {"kvCache": {"dtype": "fp8"}},
+            )
         )
     if eng.device == "gpu" and kv.tiers.gpu.size is None:
         for util in (0.92, 0.95):
             if util > kv.tiers.gpu.memory_utilization:
-                change = {"kvCache": {"tiers": {"gpu": {"memoryUtilization": util}}}}
-                candidates.append((f"raise spec.kvCache.tiers.gpu.memoryUtilization to {util}", change))
+                candidates.append(
+                    Fix(
+                        "spec.kvCache.tiers.gpu.memoryUtilization",
+                        util,
+                        f"raise spec.kvCache.tiers.gpu.memoryUtilization to {util}",
+                        {"kvCache": {"tiers": {"gpu": {"memoryUtilization": util}}}},
+                    )
+                )
     if eng.device == "gpu" and arch.attention != "mla":
         tp = eng.tensor_parallel_size * 2
         while tp <= 16 and arch.num_attention_heads % tp == 0:
-            change = {"engine": {"tensorParallelSize": tp}}
-            candidates.append((f"raise spec.engine.tensorParallelSize to {tp} (shards KV heads)", change))
+            candidates.append(
+                Fix(
+                    "spec.engine.tensorParallelSize",
+                    tp,
+                    f"raise spec.engine.tensorParallelSize to {tp} (shards KV heads)",
+                    {"engine": {"tensorParallelSize": tp}},
+                )
+            )
             tp *= 2
     if eng.device == "cpu":
         need = -(-plan.sequence_bytes // GIB)
         candidates.append(
-            (
+            Fix(
+                "spec.kvCache.tiers.gpu.size",
+                f"{need}Gi",
                 f"set spec.kvCache.tiers.gpu.size to at least {need}Gi",
                 {"kvCache": {"tiers": {"gpu": {"size": f"{need}Gi"}}}},
             )
         )
     fixes: list[str] = []
     taken: set[str] = set()
-    for text, change in candidates:
-        key = text.split(" to ")[0]
-        if key in taken:
+    for fix in candidates:
+        # The smallest working value of each knob only: candidates come in increasing order.
+        if fix.field in taken:
             continue
-        if plan_fits(_merged(spec, change)):
-            fixes.append(text)
-            taken.add(key)
+        if plan_fits(_merged(spec, fix.change)):
+            fixes.append(fix.text)
+            taken.add(fix.field)
     longest = longest_sequence(arch, pool, layer_bytes, block, eng.max_model_len, in_flight)
     if longest >= block:
         fixes.append(f"lower spec.engine.maxModelLen to {_fmt_int(longest)}")

@@ -28,3 +28,17 @@ def test_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cfg.namespaces == ("a", "b") and cfg.webhook_port == 10443
     assert cfg.resync_interval == 0 and cfg.liveness_endpoint is None
     assert parse(["-n", "x"]).namespaces == ("x",)
+
+
+def test_cache_status_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("INTERVAL", "WINDOW", "TIMEOUT", "HEARTBEAT"):
+        monkeypatch.delenv(f"KVSTRATA_CACHE_STATUS_{name}", raising=False)
+    defaults = parse([]).cache_status
+    assert (defaults.interval, defaults.window, defaults.timeout, defaults.heartbeat) == (15, 300, 3, 300)
+    monkeypatch.setenv("KVSTRATA_CACHE_STATUS_INTERVAL", "5")
+    monkeypatch.setenv("KVSTRATA_CACHE_STATUS_HEARTBEAT", "")
+    cfg = parse([]).cache_status
+    assert (cfg.interval, cfg.heartbeat) == (5, 300)
+    monkeypatch.setenv("KVSTRATA_CACHE_STATUS_WINDOW", "0")
+    with pytest.raises(ValueError, match="KVSTRATA_CACHE_STATUS_WINDOW must be > 0"):
+        parse([])

@@ -166,7 +166,9 @@ def test_nvme_resize_grows_pvcs_and_recreates_statefulset_orphaning_pods() -> No
     assert pvc["spec"]["resources"]["requests"]["storage"] == "3Ti"
     sts = rig.kube.objects[("StatefulSet", "ns", "llama-70b-engine")]
     assert sts["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "3Ti"
-    assert any("re-created StatefulSet" in n for n in out.notes)
+    assert any("re-created StatefulSet" in n.text for n in out.notes)
+    # A re-create is information, not trouble: a Normal Event.
+    assert any(e[:2] == ("Normal", "Applied") and "re-created" in e[2] for e in rig.events)
 
 
 def test_unchanged_claim_templates_do_not_recreate() -> None:
