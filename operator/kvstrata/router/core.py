@@ -146,7 +146,7 @@ class Router:
 
     # --- prompt → hashes -------------------------------------------------------------------------
     def _hash_tokens(self, ids: Sequence[int]) -> tuple[int, list[int]]:
-        return len(ids), block_hashes(ids, self.settings.block_size)
+        return len(ids), block_hashes(ids, self.settings.block_size, self.settings.hash_algo)
 
     def _hash_completion(self, text: str) -> tuple[int, list[int]]:
         assert self.tokenizer is not None
@@ -201,9 +201,11 @@ class Router:
             and self.session is not None
             and time.monotonic() >= self._remote_off_until
         ):
-            ids = await self._remote_tokens(req, candidates)
-            if ids is not None:
-                n, hashes = await self._compute(len(ids) <= _INLINE_HASH_BLOCKS * bs, self._hash_tokens, ids)
+            remote = await self._remote_tokens(req, candidates)
+            if remote is not None:
+                n, hashes = await self._compute(
+                    len(remote) <= _INLINE_HASH_BLOCKS * bs, self._hash_tokens, remote
+                )
                 return hashes, False, n
             return await self._fallback(req, "remote_tokenize_failed")
         if self.settings.remote_tokenize and self.session is not None:

@@ -35,13 +35,16 @@ class RouteRequest:
 
 
 class Scorer(Protocol):
-    name: str
+    # Read-only (a property) so frozen dataclasses satisfy it.
+    @property
+    def name(self) -> str: ...
 
     def score(self, req: RouteRequest, eps: Sequence[Endpoint]) -> list[float]: ...
 
 
 class Filter(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def filter(self, req: RouteRequest, eps: Sequence[Endpoint]) -> list[Endpoint]: ...
 
