@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstrata.controller.hitrate import Counters
-from kvstrata.router.metrics import AFFINITY_REASONS
+from kvstrata.router.reasons import AFFINITY_REASONS
 from kvstrata.vllm_metrics import scan_load_gauges
 
 _COUNTER_SAMPLES = {
