@@ -23,7 +23,7 @@ from typing import Any
 
 import cbor2
 
-from kvstrata.api.router_config import HASH_ALGOS, HashAlgo
+from kvstrata.api.router_config import DEFAULT_HASH_ALGO, HASH_ALGOS, HashAlgo
 
 _MASK64 = (1 << 64) - 1
 # vLLM's DEFAULT_NONE_HASH_SEED: the first block's parent for cryptographic algorithms.
@@ -69,7 +69,7 @@ def normalize_hash(value: int | bytes) -> int:
 
 
 def block_digests(
-    tokens: Sequence[int], block_size: int, parent: bytes | None = None, algo: HashAlgo = "sha256"
+    tokens: Sequence[int], block_size: int, parent: bytes | None = None, algo: HashAlgo = DEFAULT_HASH_ALGO
 ) -> list[bytes]:
     """Chained digests of every full block of ``tokens`` (a partial tail block is not hashed)."""
     check_algo(algo)
@@ -82,7 +82,7 @@ def block_digests(
     return out
 
 
-def block_hashes(tokens: Sequence[int], block_size: int, algo: HashAlgo = "sha256") -> list[int]:
+def block_hashes(tokens: Sequence[int], block_size: int, algo: HashAlgo = DEFAULT_HASH_ALGO) -> list[int]:
     """The 64-bit block hashes vLLM would publish for a prompt of ``tokens``."""
     return [to_external(d) for d in block_digests(tokens, block_size, algo=algo)]
 
