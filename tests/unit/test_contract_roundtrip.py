@@ -84,3 +84,9 @@ def test_unreproducible_hash_algorithms_are_refused_at_admission(algo: str) -> N
         validate(doc)
     with pytest.raises(ValidationError, match="hash"):
         RouterSettings.model_validate({"model": "m", "hashAlgo": algo})
+
+
+def test_a_hash_seed_on_the_engines_is_refused_at_admission() -> None:
+    env = [{"name": "PYTHONHASHSEED", "value": "0"}]
+    with pytest.raises(ManifestError, match="PYTHONHASHSEED"):
+        validate(with_changes(example("tiny-cpu.yaml"), {"spec.engine.env": env}))

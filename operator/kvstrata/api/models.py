@@ -159,6 +159,14 @@ class Resources(Wire):
     memory: Quantity | None = Field(None, description="Memory request/limit; default: what the tiers imply")
 
 
+# vLLM seeds the first block's parent hash from PYTHONHASHSEED when it is set: the engines' block hashes
+# would then differ from the router's (router/hashing.py), and prefix routing would never match.
+_HASHSEED_MESSAGE = (
+    "engine.env cannot set PYTHONHASHSEED: vLLM seeds its block hashes with it, and the router's "
+    "hashes would no longer match the engines'"
+)
+
+
 class EngineSpec(Wire):
     model_config = ConfigDict(
         json_schema_extra={
@@ -167,7 +175,12 @@ class EngineSpec(Wire):
                     "self.device != 'cpu' || self.tensorParallelSize == 1",
                     "device cpu runs one engine process per pod: set tensorParallelSize to 1",
                     ".tensorParallelSize",
-                )
+                ),
+                cel(
+                    "!has(self.env) || !self.env.exists(e, e.name == 'PYTHONHASHSEED')",
+                    _HASHSEED_MESSAGE,
+                    ".env",
+                ),
             ]
         }
     )
@@ -192,6 +205,13 @@ class EngineSpec(Wire):
     extra_args: list[str] = Field(default_factory=list, max_length=64, description="Appended to vLLM's flags")
     env: list[EnvVar] = Field(default_factory=list, max_length=64)
     resources: Resources = Field(default_factory=Resources)
+
+    @model_validator(mode="after")
+    def _no_hash_seed(self) -> EngineSpec:
+        # The CRD's CEL rule, repeated so that `kvstrata plan` and the webhook refuse the same manifests.
+        if any(var.name == "PYTHONHASHSEED" for var in self.env):
+            raise ValueError(_HASHSEED_MESSAGE)
+        return self
 
 
 # ------------------------------------------------------------------------------------------- kv cache
