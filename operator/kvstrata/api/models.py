@@ -13,6 +13,19 @@ from pydantic.alias_generators import to_camel
 from pydantic.config import JsonDict
 
 from kvstrata.api.quantity import Quantity
+from kvstrata.api.router_config import (
+    DEFAULT_HASH_ALGO,
+    DEFAULT_POLICY,
+    ENGINE_PORT,
+    QUEUE_WEIGHT,
+    ROUTER_PORT,
+    WEIGHT_KV_USAGE,
+    WEIGHT_LOAD,
+    WEIGHT_PREFILL,
+    WEIGHT_PREFIX,
+    HashAlgo,
+)
+from kvstrata.api.router_config import Policy as RoutingPolicy
 
 GROUP = "kvstrata.io"
 VERSION = "v1alpha1"
@@ -26,8 +39,6 @@ Attention = Literal["mha", "gqa", "mla"]
 Device = Literal["gpu", "cpu"]
 KvDtype = Literal["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"]
 OffloadBackend = Literal["auto", "native", "lmcache"]
-RoutingPolicy = Literal["kv-aware", "prefix-hash", "least-load", "round-robin"]
-HashAlgo = Literal["sha256", "sha256_cbor"]
 
 
 def cel(rule: str, message: str, field_path: str | None = None) -> JsonDict:
@@ -149,6 +160,14 @@ class Resources(Wire):
     memory: Quantity | None = Field(None, description="Memory request/limit; default: what the tiers imply")
 
 
+# vLLM seeds the first block's parent hash from PYTHONHASHSEED when it is set: the engines' block hashes
+# would then differ from the router's (router/hashing.py), and prefix routing would never match.
+_HASHSEED_MESSAGE = (
+    "engine.env cannot set PYTHONHASHSEED: vLLM seeds its block hashes with it, and the router's "
+    "hashes would no longer match the engines'"
+)
+
+
 class EngineSpec(Wire):
     model_config = ConfigDict(
         json_schema_extra={
@@ -157,7 +176,12 @@ class EngineSpec(Wire):
                     "self.device != 'cpu' || self.tensorParallelSize == 1",
                     "device cpu runs one engine process per pod: set tensorParallelSize to 1",
                     ".tensorParallelSize",
-                )
+                ),
+                cel(
+                    "!has(self.env) || !self.env.exists(e, e.name == 'PYTHONHASHSEED')",
+                    _HASHSEED_MESSAGE,
+                    ".env",
+                ),
             ]
         }
     )
@@ -178,10 +202,17 @@ class EngineSpec(Wire):
     async_scheduling: bool = Field(
         True, description="gpu: overlap scheduling with execution (two batches in flight); vLLM's default"
     )
-    port: int = Field(8000, ge=1, le=65535)
+    port: int = Field(ENGINE_PORT, ge=1, le=65535)
     extra_args: list[str] = Field(default_factory=list, max_length=64, description="Appended to vLLM's flags")
     env: list[EnvVar] = Field(default_factory=list, max_length=64)
     resources: Resources = Field(default_factory=Resources)
+
+    @model_validator(mode="after")
+    def _no_hash_seed(self) -> EngineSpec:
+        # The CRD's CEL rule, repeated so that `kvstrata plan` and the webhook refuse the same manifests.
+        if any(var.name == "PYTHONHASHSEED" for var in self.env):
+            raise ValueError(_HASHSEED_MESSAGE)
+        return self
 
 
 # ------------------------------------------------------------------------------------------- kv cache
@@ -255,7 +286,11 @@ class KvCacheSpec(Wire):
         None, ge=1, le=1024, description="Tokens per KV block; default 16 on gpu, 128 on cpu (multiple of 32)"
     )
     prefix_caching: bool = Field(True, description="Automatic prefix caching (the router depends on it)")
-    hash_algo: HashAlgo = Field("sha256", description="Block hash; sha256 is reproducible by the router")
+    hash_algo: HashAlgo = Field(
+        DEFAULT_HASH_ALGO,
+        description="Block hash (--prefix-caching-hash-algo); only algorithms the router reproduces: "
+        "vLLM seeds the xxhash variants randomly per engine process",
+    )
     tiers: Tiers = Field(default_factory=Tiers)
     offload: Offload = Field(default_factory=Offload)
 
@@ -263,19 +298,22 @@ class KvCacheSpec(Wire):
 # --------------------------------------------------------------------------------------------- router
 class RouterWeights(Wire):
     prefill: float = Field(
-        1.0,
+        WEIGHT_PREFILL,
         ge=0,
         le=100,
         description="Weight of the estimated prefill before the first token (uncached prompt tokens + "
         "queued prefill): the cache-aware score",
     )
     prefix: float = Field(
-        0.0, ge=0, le=100, description="Weight of the plain cached-prefix share (prefill counts it already)"
+        WEIGHT_PREFIX,
+        ge=0,
+        le=100,
+        description="Weight of the plain cached-prefix share (prefill counts it already)",
     )
-    load: float = Field(0.2, ge=0, le=100, description="Weight of in-flight/queued request count")
-    kv_usage: float = Field(0.1, ge=0, le=100, description="Weight of engine KV usage")
+    load: float = Field(WEIGHT_LOAD, ge=0, le=100, description="Weight of in-flight/queued request count")
+    kv_usage: float = Field(WEIGHT_KV_USAGE, ge=0, le=100, description="Weight of engine KV usage")
     queue: float = Field(
-        0.25,
+        QUEUE_WEIGHT,
         ge=0,
         le=100,
         description="Queued prefill tokens counted per uncached prompt token; below 1 a request waits "
@@ -285,10 +323,10 @@ class RouterWeights(Wire):
 
 class RouterSpec(Wire):
     replicas: int = Field(1, ge=0, le=64)
-    policy: RoutingPolicy = Field("kv-aware")
+    policy: RoutingPolicy = Field(DEFAULT_POLICY)
     weights: RouterWeights = Field(default_factory=RouterWeights)
     image: str = Field("ghcr.io/kvstrata/router:0.1.0", min_length=1, max_length=512)
-    port: int = Field(8080, ge=1, le=65535)
+    port: int = Field(ROUTER_PORT, ge=1, le=65535)
 
 
 class InferenceClusterSpec(Wire):

@@ -1,18 +1,57 @@
-"""The router's one typed settings object.
+"""The operator↔router contract: the router's one typed settings object and every value the CRD, the
+planner, the renderer and the router must agree on (policies, hash algorithms, weight defaults, ports, the
+KV-events topic, label keys). Each is defined here once; the others import it.
 
-The operator renders it as `router.json` in the ConfigMap `<name>-router` (key `router.json`); local runs
-build it from flags. Field names are camelCase on the wire so the ConfigMap reads like the CRD.
+The operator renders the settings as `router.json` in the ConfigMap `<name>-router` (key `router.json`);
+local runs build them from flags. Field names are camelCase on the wire so the ConfigMap reads like the CRD.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Final, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 Policy = Literal["kv-aware", "prefix-hash", "least-load", "round-robin"]
+POLICIES: Final[tuple[Policy, ...]] = get_args(Policy)
+DEFAULT_POLICY: Final[Policy] = "kv-aware"
+# Only what the router reproduces (router/hashing.py): vLLM's xxhash variants seed their first block's
+# parent randomly per engine process, so no router can match them; the API refuses them at admission.
+HashAlgo = Literal["sha256", "sha256_cbor"]
+HASH_ALGOS: Final[tuple[HashAlgo, ...]] = get_args(HashAlgo)
+DEFAULT_HASH_ALGO: Final[HashAlgo] = "sha256"
 Medium = Literal["GPU", "CPU", "STORAGE"]
+
+# Ports and topic: engine flags (planner), pod/Service ports (render) and router discovery.
+ENGINE_PORT: Final = 8000
+ROUTER_PORT: Final = 8080
+KV_EVENTS_PORT: Final = 5557
+KV_REPLAY_PORT: Final = 5558
+KV_EVENTS_TOPIC: Final = "kv-events"
+
+# Label keys on every rendered child; the controller and the router select on them.
+LABEL_NAME: Final = "app.kubernetes.io/name"
+LABEL_INSTANCE: Final = "app.kubernetes.io/instance"
+LABEL_COMPONENT: Final = "app.kubernetes.io/component"
+LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
+LABEL_PART_OF: Final = "app.kubernetes.io/part-of"
+# Set by Kubernetes on a Service's EndpointSlices; router discovery selects on it.
+SERVICE_NAME_LABEL: Final = "kubernetes.io/service-name"
+
+# Scorer weight defaults (router/scoring.py), shared by the CRD's RouterWeights and the router's Weights.
+WEIGHT_PREFILL: Final = 1.0
+WEIGHT_PREFIX: Final = 0.0
+WEIGHT_LOAD: Final = 0.2
+WEIGHT_KV_USAGE: Final = 0.1
+WEIGHT_SESSION: Final = 2.0
+WEIGHT_CACHE_ROOM: Final = 1.0
+WEIGHT_RECENT: Final = 0.3
+QUEUE_WEIGHT: Final = 0.25
+# Tier credit defaults: share of a block's prefill a hit in that tier saves.
+TIER_GPU: Final = 1.0
+TIER_CPU: Final = 0.8
+TIER_STORAGE: Final = 0.5
 
 
 class _Wire(BaseModel):
@@ -32,9 +71,9 @@ class Discovery(_Wire):
 
     namespace: str | None = None
     service: str | None = Field(None, description="Headless engine Service whose EndpointSlices are watched")
-    engine_port: int = 8000
-    kv_events_port: int = 5557
-    kv_replay_port: int = 5558
+    engine_port: int = ENGINE_PORT
+    kv_events_port: int = KV_EVENTS_PORT
+    kv_replay_port: int = KV_REPLAY_PORT
     static: list[StaticEndpoint] = Field(default_factory=list)
 
 
@@ -42,42 +81,50 @@ class Weights(_Wire):
     """Picker weights: total = Σ weight × score (each scorer in [0, 1]); see router/scoring.py."""
 
     prefill: float = Field(
-        1.0, ge=0, description="Estimated prefill before the first token: uncached tokens + queued prefill"
+        WEIGHT_PREFILL,
+        ge=0,
+        description="Estimated prefill before the first token: uncached tokens + queued prefill",
     )
-    prefix: float = Field(0.0, ge=0, description="Share of the prompt cached (prefill counts it already)")
-    load: float = Field(0.2, ge=0)
-    kv_usage: float = Field(0.1, ge=0)
-    session: float = Field(2.0, ge=0, description="Only when session_header is set and present")
+    prefix: float = Field(
+        WEIGHT_PREFIX, ge=0, description="Share of the prompt cached (prefill counts it already)"
+    )
+    load: float = Field(WEIGHT_LOAD, ge=0)
+    kv_usage: float = Field(WEIGHT_KV_USAGE, ge=0)
+    session: float = Field(WEIGHT_SESSION, ge=0, description="Only when session_header is set and present")
     cache_room: float = Field(
-        1.0, ge=0, description="A prompt no engine holds goes where the router's index holds fewest blocks"
+        WEIGHT_CACHE_ROOM,
+        ge=0,
+        description="A prompt no engine holds goes where the router's index holds fewest blocks",
     )
     recent: float = Field(
-        0.3, ge=0, description="Fewer requests sent lately (live conversations that will send follow-ups)"
+        WEIGHT_RECENT,
+        ge=0,
+        description="Fewer requests sent lately (live conversations that will send follow-ups)",
     )
 
 
 class TierWeights(_Wire):
     """Credit for a cached block by where it lives: a GPU hit saves the most prefill time."""
 
-    gpu: float = Field(1.0, ge=0, alias="GPU")
-    cpu: float = Field(0.8, ge=0, alias="CPU")
-    storage: float = Field(0.5, ge=0, alias="STORAGE")
+    gpu: float = Field(TIER_GPU, ge=0, alias="GPU")
+    cpu: float = Field(TIER_CPU, ge=0, alias="CPU")
+    storage: float = Field(TIER_STORAGE, ge=0, alias="STORAGE")
 
 
 class RouterSettings(_Wire):
     model: str = Field(description="Served model name engines answer to")
     tokenizer: str | None = Field(None, description="Directory with tokenizer.json (+ tokenizer_config.json)")
     block_size: int = Field(128, gt=0, description="Engine --block-size; KV events and hashes use it")
-    hash_algo: Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"] = "sha256"
-    kv_events_topic: str = "kv-events"
-    policy: Policy = "kv-aware"
+    hash_algo: HashAlgo = DEFAULT_HASH_ALGO
+    kv_events_topic: str = KV_EVENTS_TOPIC
+    policy: Policy = DEFAULT_POLICY
     weights: Weights = Field(default_factory=Weights)
     tier_weights: TierWeights = Field(default_factory=TierWeights)
     bounded_load_factor: float = Field(
         1.5, ge=1.0, description="No endpoint gets more than this × mean in-flight"
     )
     queue_weight: float = Field(
-        0.25,
+        QUEUE_WEIGHT,
         ge=0,
         description="Prefill scorer: queued prefill tokens counted per uncached prompt token; below 1 "
         "a request waits for the engine holding its prefix rather than recompute it elsewhere",

@@ -3,7 +3,7 @@
 Parsing goes through `prometheus_client.parser.text_string_to_metric_families`; counter families lose
 their `_total` suffix there, so samples are matched by *sample* name, which keeps it.
 A process may host several engines (data parallel: label `engine`); their samples are summed
-(gauges averaged).
+(KV usage averaged). The load gauges come from kvstrata.vllm_metrics, the parser the router uses too.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstrata.controller.hitrate import Counters
-from kvstrata.router.metrics import AFFINITY_REASONS
+from kvstrata.router.reasons import AFFINITY_REASONS
+from kvstrata.vllm_metrics import scan_load_gauges
 
 _COUNTER_SAMPLES = {
     "vllm:prefix_cache_queries_total": "queries",
@@ -67,7 +68,6 @@ def parse_engine(text: str) -> EngineSample:
     """Counters and load of one vLLM process; raises MetricsParseError if it exports no prefix-cache
     counters (prefix caching off, or not a vLLM /metrics)."""
     sums: dict[str, float] = defaultdict(float)
-    gauges: dict[str, list[float]] = defaultdict(list)
     start_time: float | None = None
     seen_queries = False
     for name, labels, value in _samples(text):
@@ -78,17 +78,14 @@ def parse_engine(text: str) -> EngineSample:
             target = _SOURCE_FIELDS.get(labels.get("source", ""))
             if target:
                 sums[target] += value
-        elif name in ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting"):
-            gauges[name].append(value)
         elif name == "process_start_time_seconds":
             start_time = value
     if not seen_queries:
         raise MetricsParseError(
             "no vllm:prefix_cache_queries_total (not a vLLM engine, or prefix caching off)"
         )
-    usage = gauges.get("vllm:kv_cache_usage_perc")
-    running = gauges.get("vllm:num_requests_running")
-    waiting = gauges.get("vllm:num_requests_waiting")
+    gauges = scan_load_gauges(text)
+    usage, running, waiting = gauges.kv_usage, gauges.running, gauges.waiting
     return EngineSample(
         counters=Counters(**sums),
         kv_usage=sum(usage) / len(usage) if usage else None,

@@ -1,8 +1,18 @@
-"""Ports, paths, topics and defaults shared by the engine flags, the rendered pods and the router config."""
+"""Ports, paths and defaults shared by the engine flags and the rendered pods (the ones the router must
+agree on live in the contract module, kvstrata.api.router_config, and are re-exported here)."""
 
-KV_EVENTS_PORT = 5557
-KV_REPLAY_PORT = 5558
-KV_EVENTS_TOPIC = "kv-events"
+from kvstrata.api.router_config import KV_EVENTS_PORT, KV_EVENTS_TOPIC, KV_REPLAY_PORT
+
+__all__ = [
+    "HF_HOME",
+    "KV_EVENTS_PORT",
+    "KV_EVENTS_TOPIC",
+    "KV_REPLAY_PORT",
+    "LMCACHE_PORT",
+    "MODEL_MOUNT",
+    "NVME_MOUNT",
+    "engine_cpus",
+]
 LMCACHE_PORT = 5555
 NVME_MOUNT = "/kv-cache"
 MODEL_MOUNT = "/models"

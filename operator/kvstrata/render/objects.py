@@ -10,12 +10,21 @@ import json
 from typing import Any
 
 from kvstrata.api.models import API_VERSION, KIND, InferenceClusterSpec
-from kvstrata.api.router_config import Discovery, RouterSettings, Weights
-from kvstrata.planner.constants import (
-    HF_HOME,
+from kvstrata.api.router_config import (
     KV_EVENTS_PORT,
     KV_EVENTS_TOPIC,
     KV_REPLAY_PORT,
+    LABEL_COMPONENT,
+    LABEL_INSTANCE,
+    LABEL_MANAGED_BY,
+    LABEL_NAME,
+    LABEL_PART_OF,
+    Discovery,
+    RouterSettings,
+    Weights,
+)
+from kvstrata.planner.constants import (
+    HF_HOME,
     LMCACHE_PORT,
     MODEL_MOUNT,
     NVME_MOUNT,
@@ -44,17 +53,17 @@ def router_name(name: str) -> str:
 
 def labels(name: str, component: str) -> dict[str, str]:
     return {
-        "app.kubernetes.io/name": "kvstrata",
-        "app.kubernetes.io/instance": name,
-        "app.kubernetes.io/component": component,
-        "app.kubernetes.io/managed-by": "kvstrata",
-        "app.kubernetes.io/part-of": "kvstrata",
+        LABEL_NAME: "kvstrata",
+        LABEL_INSTANCE: name,
+        LABEL_COMPONENT: component,
+        LABEL_MANAGED_BY: "kvstrata",
+        LABEL_PART_OF: "kvstrata",
     }
 
 
 def selector(name: str, component: str) -> dict[str, str]:
     """The stable subset of labels used in selectors (selectors are immutable on StatefulSets)."""
-    return {"app.kubernetes.io/instance": name, "app.kubernetes.io/component": component}
+    return {LABEL_INSTANCE: name, LABEL_COMPONENT: component}
 
 
 def engine_selector(name: str) -> dict[str, str]:
@@ -172,7 +181,7 @@ def engine_statefulset(
 ) -> Obj:
     eng, kv = spec.engine, spec.kv_cache
     model_volume, model_mount = _model_volume(spec)
-    env = [{"name": k, "value": v} for k, v in sorted(plan.engine_env.items())]
+    env: list[Obj] = [{"name": k, "value": v} for k, v in sorted(plan.engine_env.items())]
     env.append({"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}, model_mount, {"name": "tmp", "mountPath": "/tmp"}]
     if kv.tiers.nvme is not None and plan.offload_backend == "native":
@@ -417,7 +426,7 @@ def service_monitor(name: str, namespace: str, uid: str | None) -> Obj:
         "kind": "ServiceMonitor",
         "metadata": _meta(name, namespace, name, "metrics", uid),
         "spec": {
-            "selector": {"matchLabels": {"app.kubernetes.io/instance": name}},
+            "selector": {"matchLabels": {LABEL_INSTANCE: name}},
             "endpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}],
         },
     }

@@ -14,34 +14,34 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
 from kvstrata.api.router_config import RouterSettings
+from kvstrata.router.decision import Decision
 from kvstrata.router.hashing import block_hashes, char_block_hashes, check_algo
 from kvstrata.router.index import BlockIndex, PrefixMatch
 from kvstrata.router.metrics import RouterMetrics
+from kvstrata.router.policies import POLICIES
 from kvstrata.router.pool import Endpoint, EndpointPool
 from kvstrata.router.prompts import ChatTemplateError, LocalTokenizer, chat_template_kwargs
+from kvstrata.router.reasons import Reason
 from kvstrata.router.requests import ParsedRequest
 from kvstrata.router.scoring import (
+    EXPLAIN_AFTER_BOUNDED,
+    EXPLAIN_BEFORE_BOUNDED,
     BoundedLoadFilter,
-    CacheRoomScorer,
-    KvUsageScorer,
-    LoadScorer,
-    PrefillCostScorer,
-    PrefixScorer,
+    Outcome,
     Ranked,
     RecentScorer,
     RouteRequest,
     Scorer,
-    SessionScorer,
+    build_scorers,
     pick,
-    rendezvous,
-    uncached_tokens,
 )
+
+__all__ = ["Decision", "NoEndpoints", "Router"]
 
 log = logging.getLogger("kvstrata.router.route")
 
@@ -57,36 +57,6 @@ _REMOTE_TOKENIZE_BACKOFF_S = 60.0
 
 class NoEndpoints(Exception):
     pass
-
-
-@dataclass(slots=True)
-class Decision:
-    order: list[Endpoint]
-    reason: str
-    hashes: Sequence[int] = ()
-    approximate: bool = False
-    matches: dict[str, PrefixMatch] = field(default_factory=dict)
-    prompt_tokens: int | None = None
-    ranked: list[Ranked] | None = None
-    # False for requests forwarded without routing (/tokenize, /v1/models): not conversation traffic.
-    routed: bool = True
-
-    def predicted_cached_tokens(self, ep: Endpoint, block_size: int) -> int:
-        if self.approximate:
-            return 0
-        m = self.matches.get(ep.url)
-        if not m:
-            return 0
-        cached = m.blocks * block_size
-        if self.prompt_tokens is not None:
-            # vLLM always computes the prompt's last token, so a fully cached prompt hits one block less.
-            cached = min(cached, (self.prompt_tokens - 1) // block_size * block_size)
-        return max(cached, 0)
-
-    def uncached_tokens(self, ep: Endpoint, block_size: int) -> int:
-        """Prompt tokens ``ep`` will compute for this request (the prefill it queues there)."""
-        m = self.matches.get(ep.url)
-        return round(uncached_tokens(self.prompt_tokens, len(self.hashes), m.blocks if m else 0, block_size))
 
 
 class Router:
@@ -110,18 +80,9 @@ class Router:
         self.tokenizer = tokenizer
         self.executor = ThreadPoolExecutor(settings.tokenizer_threads, thread_name_prefix="kvstrata-tok")
         self.chunk_chars = settings.approx_chunk_chars or 4 * settings.block_size
-        w = settings.weights
-        self.scorers: list[tuple[Scorer, float]] = [
-            (PrefillCostScorer(settings.tier_weights, settings.block_size, settings.queue_weight), w.prefill),
-            (PrefixScorer(settings.tier_weights), w.prefix),
-            (LoadScorer(), w.load),
-            (KvUsageScorer(), w.kv_usage),
-            (CacheRoomScorer(), w.cache_room),
-            (RecentScorer(settings.recent_window_seconds), w.recent),
-            (SessionScorer(), w.session if settings.session_header else 0.0),
-        ]
+        self.scorers: list[tuple[Scorer, float]] = build_scorers(settings)
         self.bounded = BoundedLoadFilter(settings.bounded_load_factor, settings.bounded_load_slack)
-        self._rr = 0
+        self.policy = POLICIES[settings.policy](self)
         self._token_cache: OrderedDict[str, tuple[int, list[int]]] = OrderedDict()
         self._remote_off_until = 0.0
         self.pool.subscribe(lambda ep: None, self._forget)
@@ -136,6 +97,15 @@ class Router:
     def _forget(self, ep: Endpoint) -> None:
         self.index.drop_endpoint(ep.url)
         self.approx.drop_endpoint(ep.url)
+        for scorer, _ in self.scorers:
+            scorer.on_removed(ep)
+
+    def recent_requests(self, ep: Endpoint, now: float) -> float:
+        """Routed requests sent to ``ep`` lately, as the recent scorer counts them (0 without one)."""
+        for scorer, _ in self.scorers:
+            if isinstance(scorer, RecentScorer):
+                return scorer.recent_requests(ep, now)
+        return 0.0
 
     def mark_down(self, ep: Endpoint) -> None:
         """An engine that refuses connections lost its cache (or will have when it is back)."""
@@ -146,7 +116,7 @@ class Router:
 
     # --- prompt → hashes -------------------------------------------------------------------------
     def _hash_tokens(self, ids: Sequence[int]) -> tuple[int, list[int]]:
-        return len(ids), block_hashes(ids, self.settings.block_size)
+        return len(ids), block_hashes(ids, self.settings.block_size, self.settings.hash_algo)
 
     def _hash_completion(self, text: str) -> tuple[int, list[int]]:
         assert self.tokenizer is not None
@@ -201,9 +171,11 @@ class Router:
             and self.session is not None
             and time.monotonic() >= self._remote_off_until
         ):
-            ids = await self._remote_tokens(req, candidates)
-            if ids is not None:
-                n, hashes = await self._compute(len(ids) <= _INLINE_HASH_BLOCKS * bs, self._hash_tokens, ids)
+            remote = await self._remote_tokens(req, candidates)
+            if remote is not None:
+                n, hashes = await self._compute(
+                    len(remote) <= _INLINE_HASH_BLOCKS * bs, self._hash_tokens, remote
+                )
                 return hashes, False, n
             return await self._fallback(req, "remote_tokenize_failed")
         if self.settings.remote_tokenize and self.session is not None:
@@ -265,38 +237,23 @@ class Router:
         eps = self.candidates()
         if not eps:
             raise NoEndpoints("no engine endpoints are known to the router")
-        policy = self.settings.policy
-        if policy == "kv-aware":
-            decision = await self._kv_aware(req, eps, session_id)
-        elif policy == "prefix-hash":
-            key = self._prefix_key(req)
-            order = sorted(eps, key=lambda ep: -rendezvous(key, ep.url))
-            decision = Decision(order, "prefix-hash")
-        elif policy == "least-load":
-            self._rr += 1
-            n = len(eps)
-            ranked_eps = sorted(range(n), key=lambda i: (eps[i].load, (i - self._rr) % n))
-            decision = Decision([eps[i] for i in ranked_eps], "least-load")
-        else:
-            self._rr += 1
-            k = self._rr % len(eps)
-            decision = Decision(eps[k:] + eps[:k], "round-robin")
+        decision = await self.policy.decide(req, eps, session_id)
         self.metrics.decided(decision.reason)
         self.metrics.routing_seconds.observe(time.perf_counter() - t0)
         return decision
 
-    def _prefix_key(self, req: ParsedRequest) -> bytes:
+    def prefix_key(self, req: ParsedRequest) -> bytes:
         if req.token_ids is not None:
             n = self.settings.block_size * self.settings.prefix_hash_blocks
             return b",".join(str(t).encode() for t in req.token_ids[:n])
         return req.routing_text()[: self.chunk_chars * self.settings.prefix_hash_blocks].encode()
 
-    async def _kv_aware(self, req: ParsedRequest, eps: list[Endpoint], session_id: str | None) -> Decision:
+    async def kv_aware(self, req: ParsedRequest, eps: list[Endpoint], session_id: str | None) -> Decision:
         hashes, approximate, n_tokens = await self.prompt_hashes(req, eps)
         if n_tokens is not None:
             self.metrics.prompt_tokens.inc(n_tokens)
         matches = (self.approx if approximate else self.index).lookup(hashes)
-        tie_key = hashes[0].to_bytes(8, "big") if hashes else self._prefix_key(req)
+        tie_key = hashes[0].to_bytes(8, "big") if hashes else self.prefix_key(req)
         room = {} if matches or approximate else {ep.url: self.index.blocks_of(ep.url) for ep in eps}
         rreq = RouteRequest(
             hashes, matches, tie_key, session_id, approximate, room, n_tokens, time.monotonic()
@@ -329,33 +286,34 @@ class Router:
         matches: dict[str, PrefixMatch],
         dropped: list[Endpoint],
         approximate: bool,
-    ) -> str:
+    ) -> Reason:
+        """Why the winner won: a prefix match, else the first scorer (or the load bound) that says it
+        decided, in the order of EXPLAIN_BEFORE_BOUNDED / EXPLAIN_AFTER_BOUNDED, else the totals."""
         win = ranked[0]
         best = max((m.blocks for m in matches.values()), default=0)
         won = matches.get(win.endpoint.url)
         if best and won is not None and won.blocks == best:
-            return "approx-prefix" if approximate else "prefix"
-        if win.scores.get("session") == 1.0:
-            return "session"
-        if best and any(matches.get(ep.url) for ep in dropped):
-            return "bounded-load"
-        if best and win.scores.get("prefill") == 1.0:
-            # The holder scored lower on prefill cost: the prefill queued there outweighed the match.
-            return "queue"
-        if len(ranked) > 1 and self._recent_decided(win, ranked[1]):
-            return "recent"
-        room = win.scores.get("cache_room", 0.0)
-        if room > 0 and len(ranked) > 1 and ranked[1].scores.get("cache_room", 0.0) < room:
-            return "cache-room"
-        if len(ranked) > 1 and ranked[1].total < win.total - 1e-9:
-            return "load"
-        return "tie-hash"
+            return Reason.APPROX_PREFIX if approximate else Reason.PREFIX
+        outcome = Outcome(win, ranked[1] if len(ranked) > 1 else None, best)
+        by_name = {s.name: (s, w) for s, w in self.scorers}
 
-    def _recent_decided(self, win: Ranked, second: Ranked) -> bool:
-        """The winner had fewer recent requests, and without them it would not be ahead."""
-        w = self.settings.weights.recent
-        mine, theirs = win.scores.get("recent", 0.0), second.scores.get("recent", 0.0)
-        return mine > theirs and second.total - w * theirs >= win.total - w * mine - 1e-9
+        def first(names: tuple[str, ...]) -> Reason | None:
+            for name in names:
+                scorer, weight = by_name[name]
+                reason = scorer.explain(outcome, weight)
+                if reason is not None:
+                    return reason
+            return None
+
+        reason = first(EXPLAIN_BEFORE_BOUNDED)
+        if reason is None and best:
+            reason = self.bounded.explain(dropped, matches)
+        reason = reason or first(EXPLAIN_AFTER_BOUNDED)
+        if reason is not None:
+            return reason
+        if outcome.second is not None and outcome.second.total < win.total - 1e-9:
+            return Reason.LOAD
+        return Reason.TIE_HASH
 
     def commit(self, decision: Decision, ep: Endpoint) -> None:
         """Called when a request is sent to ``ep``: it counts as recent traffic there, and its prompt
@@ -365,7 +323,9 @@ class Router:
         can outlast any fixed TTL, and a prediction that expires first sends the next request of the same
         prefix elsewhere, which recomputes it (seen in `make bench-router` at TTFT > 5 s)."""
         if decision.routed:
-            ep.routed(time.monotonic(), self.settings.recent_window_seconds)
+            now = time.monotonic()
+            for scorer, _ in self.scorers:
+                scorer.on_routed(ep, now)
         if not decision.hashes:
             return
         if decision.approximate:

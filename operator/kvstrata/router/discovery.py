@@ -22,13 +22,13 @@ from urllib.parse import quote
 
 import aiohttp
 
-from kvstrata.api.router_config import Discovery, StaticEndpoint
+from kvstrata.api.router_config import SERVICE_NAME_LABEL, Discovery, StaticEndpoint
 from kvstrata.router.pool import EndpointSpec
 
 log = logging.getLogger("kvstrata.router.discovery")
 
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
-SERVICE_LABEL = "kubernetes.io/service-name"
+SERVICE_LABEL = SERVICE_NAME_LABEL
 
 
 class DiscoveryError(RuntimeError):
@@ -117,7 +117,7 @@ def load_api_access(kubeconfig: str | None = None) -> ApiAccess:
 
     cfg = client.Configuration()
     try:
-        config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+        config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)  # type: ignore[no-untyped-call]
     except (config.ConfigException, OSError, TypeError) as exc:
         raise DiscoveryError(
             f"EndpointSlice discovery needs in-cluster credentials or a kubeconfig: {exc}"

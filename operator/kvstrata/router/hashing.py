@@ -6,7 +6,9 @@ token ids, chained to its parent:
     NONE = sha256(pickle.dumps("vllm-none-hash", protocol=5))
     h_i  = sha256(pickle.dumps((h_{i-1} or NONE, tuple(tokens_i), extra_keys_i), protocol=5))
 
-and publishes ``int.from_bytes(h_i, "big") & (2**64 - 1)`` in KV events. The full 32-byte digest is
+and publishes ``int.from_bytes(h_i, "big") & (2**64 - 1)`` in KV events. ``sha256_cbor`` is the same chain
+with ``cbor2.dumps(x, canonical=True)`` in place of pickle (NONE = sha256(cbor("vllm-none-hash"))): vLLM
+seeds NONE from the fixed string for both cryptographic algorithms unless PYTHONHASHSEED is set. The full 32-byte digest is
 what chains, so a router must keep it while walking a prompt; the index only stores the 64-bit form.
 The xxhash variants are seeded per process unless PYTHONHASHSEED is set, so they are not reproducible
 from outside the engine; we refuse them instead of routing on hashes that never match.
@@ -16,11 +18,30 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import cbor2
+
+from kvstrata.api.router_config import DEFAULT_HASH_ALGO, HASH_ALGOS, HashAlgo
 
 _MASK64 = (1 << 64) - 1
-NONE_HASH: bytes = hashlib.sha256(pickle.dumps("vllm-none-hash", protocol=5)).digest()
-SUPPORTED_ALGOS = ("sha256",)
+# vLLM's DEFAULT_NONE_HASH_SEED: the first block's parent for cryptographic algorithms.
+_NONE_SEED = "vllm-none-hash"
+SUPPORTED_ALGOS: tuple[HashAlgo, ...] = HASH_ALGOS
+
+
+def _pickle_bytes(obj: Any) -> bytes:
+    return pickle.dumps(obj, protocol=5)  # pickle.HIGHEST_PROTOCOL on Python 3.11, as vLLM uses
+
+
+def _cbor_bytes(obj: Any) -> bytes:
+    return cbor2.dumps(obj, canonical=True)
+
+
+_SERIALIZERS: dict[str, Callable[[Any], bytes]] = {"sha256": _pickle_bytes, "sha256_cbor": _cbor_bytes}
+NONE_HASHES: dict[str, bytes] = {a: hashlib.sha256(f(_NONE_SEED)).digest() for a, f in _SERIALIZERS.items()}
+NONE_HASH: bytes = NONE_HASHES["sha256"]
 
 
 class UnsupportedHashAlgo(ValueError):
@@ -28,7 +49,7 @@ class UnsupportedHashAlgo(ValueError):
 
 
 def check_algo(algo: str) -> None:
-    if algo not in SUPPORTED_ALGOS:
+    if algo not in _SERIALIZERS:
         raise UnsupportedHashAlgo(
             f"hash algorithm {algo!r} cannot be reproduced outside the engine "
             f"(supported: {', '.join(SUPPORTED_ALGOS)}); run engines with --prefix-caching-hash-algo sha256"
@@ -47,20 +68,23 @@ def normalize_hash(value: int | bytes) -> int:
     return int(value) & _MASK64
 
 
-def block_digests(tokens: Sequence[int], block_size: int, parent: bytes | None = None) -> list[bytes]:
-    """Chained sha256 digests of every full block of ``tokens`` (a partial tail block is not hashed)."""
-    prev = parent or NONE_HASH
+def block_digests(
+    tokens: Sequence[int], block_size: int, parent: bytes | None = None, algo: HashAlgo = DEFAULT_HASH_ALGO
+) -> list[bytes]:
+    """Chained digests of every full block of ``tokens`` (a partial tail block is not hashed)."""
+    check_algo(algo)
+    prev = parent or NONE_HASHES[algo]
     out: list[bytes] = []
-    dumps, sha = pickle.dumps, hashlib.sha256
+    dumps, sha = _SERIALIZERS[algo], hashlib.sha256
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        prev = sha(dumps((prev, tuple(tokens[start : start + block_size]), None), protocol=5)).digest()
+        prev = sha(dumps((prev, tuple(tokens[start : start + block_size]), None))).digest()
         out.append(prev)
     return out
 
 
-def block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
+def block_hashes(tokens: Sequence[int], block_size: int, algo: HashAlgo = DEFAULT_HASH_ALGO) -> list[int]:
     """The 64-bit block hashes vLLM would publish for a prompt of ``tokens``."""
-    return [to_external(d) for d in block_digests(tokens, block_size)]
+    return [to_external(d) for d in block_digests(tokens, block_size, algo=algo)]
 
 
 def char_block_hashes(text: str, chunk_chars: int, max_blocks: int | None = None) -> list[int]:

@@ -1,8 +1,6 @@
 """Engine load and health from each engine's Prometheus ``/metrics``, scraped in the background.
 
-Only three gauges matter for routing (vLLM 0.32.0 names): ``vllm:num_requests_running``,
-``vllm:num_requests_waiting`` and ``vllm:kv_cache_usage_perc`` (a 0..1 fraction despite the name).
-A full Prometheus parser is not needed for that; a line scan is cheap and tolerant.
+Only three gauges matter for routing; kvstrata.vllm_metrics reads them (shared with the controller).
 """
 
 from __future__ import annotations
@@ -16,14 +14,10 @@ from dataclasses import dataclass
 import aiohttp
 
 from kvstrata.router.pool import Endpoint, EndpointPool
+from kvstrata.vllm_metrics import scan_load_gauges
 
 log = logging.getLogger("kvstrata.router.scrape")
 
-_GAUGES = {
-    "vllm:num_requests_running": "running",
-    "vllm:num_requests_waiting": "waiting",
-    "vllm:kv_cache_usage_perc": "kv_usage",
-}
 # An endpoint is marked unhealthy after this many failed scrapes in a row: refused/reset connections
 # or 5xx, never timeouts (a proxy connect error marks it at once); one success marks it healthy again.
 UNHEALTHY_AFTER = 2
@@ -38,25 +32,8 @@ class EngineLoad:
 
 def parse_load(text: str) -> EngineLoad:
     """Sum each gauge over its label sets (one per engine core / DP rank); KV usage is the max."""
-    vals = {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0}
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
-            continue
-        name, _, rest = line.partition("{")
-        if not rest:
-            name, _, rest = line.partition(" ")
-            value_text = rest
-        else:
-            value_text = rest.rpartition("}")[2]
-        field = _GAUGES.get(name.strip())
-        if field is None:
-            continue
-        try:
-            value = float(value_text.split()[0])
-        except (IndexError, ValueError):
-            continue
-        vals[field] = max(vals[field], value) if field == "kv_usage" else vals[field] + value
-    return EngineLoad(**vals)
+    g = scan_load_gauges(text)
+    return EngineLoad(sum(g.running), sum(g.waiting), max(g.kv_usage, default=0.0))
 
 
 class LoadScraper:

@@ -24,7 +24,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kvstrata.api.router_config import RouterSettings, StaticEndpoint
+from kvstrata.api.router_config import POLICIES, ROUTER_PORT, RouterSettings, StaticEndpoint
 from kvstrata.router.discovery import DiscoveryError
 from kvstrata.router.hashing import UnsupportedHashAlgo, check_algo
 from kvstrata.router.prompts import ChatTemplateError, LocalTokenizer, TokenizerLoadError
@@ -58,11 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvstrata router", description="KV-cache-aware prefix-affinity router")
     p.add_argument("--config", type=Path, help="router.json (RouterSettings, camelCase keys)")
     p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--port", type=int, default=ROUTER_PORT)
     p.add_argument("--model", help="served model name")
     p.add_argument("--tokenizer", help="directory with the engine's tokenizer.json (+ tokenizer_config.json)")
     p.add_argument("--block-size", type=int)
-    p.add_argument("--policy", choices=["kv-aware", "prefix-hash", "least-load", "round-robin"])
+    p.add_argument("--policy", choices=POLICIES)
     p.add_argument(
         "--endpoint",
         action="append",

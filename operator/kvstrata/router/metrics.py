@@ -14,7 +14,8 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-AFFINITY_REASONS = frozenset({"prefix", "approx-prefix"})
+from kvstrata.router.reasons import AFFINITY_REASONS
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 

@@ -30,9 +30,6 @@ class Endpoint:
     failures: int = 0
     scraped: bool = False
     extra: dict[str, object] = field(default_factory=dict)
-    # Requests sent here, each fading with time (see :meth:`routed`); ``recent_at`` is the last update.
-    recent: float = 0.0
-    recent_at: float = 0.0
 
     @property
     def url(self) -> str:
@@ -45,14 +42,6 @@ class Endpoint:
         The engine's running count includes our in-flight requests, so take the larger of the two
         views rather than the sum (the scrape lags; in-flight is exact for this router)."""
         return max(float(self.in_flight), self.running) + self.waiting
-
-    def recent_requests(self, now: float, window_s: float) -> float:
-        """Requests sent here lately, each weighing exp(-age / window_s)."""
-        return faded(self.recent, now - self.recent_at, window_s)
-
-    def routed(self, now: float, window_s: float) -> None:
-        self.recent = self.recent_requests(now, window_s) + 1.0
-        self.recent_at = now
 
 
 def faded(value: float, age_s: float, window_s: float) -> float:

@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvstrata.router.core import Decision, NoEndpoints, Router
 from kvstrata.router.pool import Endpoint, PrefillTicket
+from kvstrata.router.reasons import Reason
 from kvstrata.router.requests import BadRequest, Kind, parse_request
 
 log = logging.getLogger("kvstrata.router.proxy")
@@ -123,7 +124,9 @@ class Proxy:
             return json_error(503, "no engine endpoints are known to the router", code="no_endpoints")
         raw = await request.read()
         order = sorted(eps, key=lambda ep: ep.load)
-        return await self._forward(request, raw, Decision(order, "passthrough", routed=False), stream=False)
+        return await self._forward(
+            request, raw, Decision(order, Reason.PASSTHROUGH, routed=False), stream=False
+        )
 
     async def _forward(
         self, request: web.Request, raw: bytes, decision: Decision, *, stream: bool
@@ -294,7 +297,7 @@ class Proxy:
                 "healthy": ep.healthy,
                 "inFlight": ep.in_flight,
                 "pendingPrefillTokens": ep.pending_prefill,
-                "recentRequests": round(ep.recent_requests(now, router.settings.recent_window_seconds), 3),
+                "recentRequests": round(router.recent_requests(ep, now), 3),
                 "running": ep.running,
                 "waiting": ep.waiting,
                 "kvUsage": ep.kv_usage,

@@ -2,20 +2,24 @@
 combines the weighted scores into a ranking. Each piece is a few lines and tested alone.
 
 All scorers see the same :class:`RouteRequest` (the prompt's block hashes and what the index knows
-about them) and the candidate endpoints, and return one score per candidate, in order.
+about them) and the candidate endpoints, and return one score per candidate, in order. Scorers are
+registered by name (:data:`SCORERS`; the name is also the field of their weight in the settings), own
+whatever state they keep (updated through the request hooks of :class:`ScorerHooks`) and explain a win
+they decided as a typed :class:`Reason`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvstrata.api.router_config import TierWeights
+from kvstrata.api.router_config import RouterSettings, TierWeights
 from kvstrata.router.index import PrefixMatch
-from kvstrata.router.pool import Endpoint
+from kvstrata.router.pool import Endpoint, faded
+from kvstrata.router.reasons import Reason
 
 
 @dataclass(slots=True)
@@ -34,14 +38,57 @@ class RouteRequest:
     now: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class Ranked:
+    endpoint: Endpoint
+    total: float
+    scores: dict[str, float]
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """A kv-aware ranking, for the scorers to say whether they decided it."""
+
+    win: Ranked
+    second: Ranked | None
+    best_match: int  # most prompt blocks any endpoint holds (0: nobody holds the prompt)
+
+
 class Scorer(Protocol):
-    name: str
+    # Read-only (a property) so frozen dataclasses satisfy it.
+    @property
+    def name(self) -> str: ...
 
     def score(self, req: RouteRequest, eps: Sequence[Endpoint]) -> list[float]: ...
 
+    def on_routed(self, ep: Endpoint, now: float) -> None:
+        """A routed request was sent to ``ep`` (at monotonic ``now``)."""
+
+    def on_removed(self, ep: Endpoint) -> None:
+        """``ep`` left the pool: forget what is kept about it."""
+
+    def explain(self, outcome: Outcome, weight: float) -> Reason | None:
+        """The reason this scorer decided ``outcome``, or None when it did not."""
+
+
+class ScorerHooks:
+    """No-op hooks and no explanation: scorers without state or a reason of their own inherit these."""
+
+    __slots__ = ()
+
+    def on_routed(self, ep: Endpoint, now: float) -> None:
+        return None
+
+    def on_removed(self, ep: Endpoint) -> None:
+        return None
+
+    def explain(self, outcome: Outcome, weight: float) -> Reason | None:
+        return None
+
 
 class Filter(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def filter(self, req: RouteRequest, eps: Sequence[Endpoint]) -> list[Endpoint]: ...
 
@@ -70,7 +117,7 @@ def uncached_tokens(prompt_tokens: int | None, blocks: int, credit: float, block
 
 
 @dataclass(frozen=True, slots=True)
-class PrefillCostScorer:
+class PrefillCostScorer(ScorerHooks):
     """Prefill work ahead of this request's first token on each endpoint, in tokens (Dynamo's cost):
     the prompt tokens the endpoint does not hold, plus ``queue_weight`` × the uncached tokens of the
     requests this router sent there that have not produced a first token yet. Score = cheapest / cost.
@@ -102,9 +149,16 @@ class PrefillCostScorer:
         cheapest = min(costs, default=0.0)
         return [(cheapest + 1.0) / (c + 1.0) for c in costs]
 
+    def explain(self, outcome: Outcome, weight: float) -> Reason | None:
+        # A holder exists but did not win, and the winner's prefill was cheapest: the prefill queued at
+        # the holder outweighed its match.
+        if outcome.best_match and outcome.win.scores.get(self.name) == 1.0:
+            return Reason.QUEUE
+        return None
+
 
 @dataclass(frozen=True, slots=True)
-class PrefixScorer:
+class PrefixScorer(ScorerHooks):
     """Share of the prompt's blocks an endpoint already holds, each block credited by its tier
     (llm-d's prefix scorer). Off by default: :class:`PrefillCostScorer` counts the same overlap in
     tokens against the queue."""
@@ -122,7 +176,7 @@ class PrefixScorer:
 
 
 @dataclass(frozen=True, slots=True)
-class LoadScorer:
+class LoadScorer(ScorerHooks):
     """Fewer requests running + waiting (and in flight from this router) scores higher."""
 
     name: str = "load"
@@ -134,7 +188,7 @@ class LoadScorer:
 
 
 @dataclass(frozen=True, slots=True)
-class CacheRoomScorer:
+class CacheRoomScorer(ScorerHooks):
     """A prompt no engine holds goes where the cache has most room: fewest blocks in the router's index.
 
     vLLM's kv_cache_usage_perc counts only blocks of running requests (cached blocks are free), so load
@@ -150,9 +204,16 @@ class CacheRoomScorer:
         most = max(blocks, default=0)
         return [1.0 - b / (most + 1) for b in blocks]
 
+    def explain(self, outcome: Outcome, weight: float) -> Reason | None:
+        room = outcome.win.scores.get(self.name, 0.0)
+        second = outcome.second
+        if room > 0 and second is not None and second.scores.get(self.name, 0.0) < room:
+            return Reason.CACHE_ROOM
+        return None
+
 
 @dataclass(frozen=True, slots=True)
-class RecentScorer:
+class RecentScorer(ScorerHooks):
     """Fewer requests sent lately scores higher: a forecast of the follow-ups an engine will get.
 
     With prefix affinity, conversations stay where their prefix is, so an engine that served many
@@ -167,17 +228,40 @@ class RecentScorer:
 
     window_s: float
     name: str = "recent"
+    # Per endpoint URL: requests sent there, each fading with time, as of the monotonic time beside it.
+    sent: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def recent_requests(self, ep: Endpoint, now: float) -> float:
+        """Requests sent to ``ep`` lately, each weighing exp(-age / window_s)."""
+        value, at = self.sent.get(ep.url, (0.0, now))
+        return faded(value, now - at, self.window_s)
+
+    def on_routed(self, ep: Endpoint, now: float) -> None:
+        self.sent[ep.url] = (self.recent_requests(ep, now) + 1.0, now)
+
+    def on_removed(self, ep: Endpoint) -> None:
+        self.sent.pop(ep.url, None)
 
     def score(self, req: RouteRequest, eps: Sequence[Endpoint]) -> list[float]:
         if req.matches:
             return [0.0] * len(eps)
-        recent = [ep.recent_requests(req.now, self.window_s) for ep in eps]
+        recent = [self.recent_requests(ep, req.now) for ep in eps]
         most = max(recent, default=0.0)
         return [1.0 - r / (most + 1.0) for r in recent]
 
+    def explain(self, outcome: Outcome, weight: float) -> Reason | None:
+        """The winner had fewer recent requests, and without them it would not be ahead."""
+        win, second = outcome.win, outcome.second
+        if second is None:
+            return None
+        mine, theirs = win.scores.get(self.name, 0.0), second.scores.get(self.name, 0.0)
+        if mine > theirs and second.total - weight * theirs >= win.total - weight * mine - 1e-9:
+            return Reason.RECENT
+        return None
+
 
 @dataclass(frozen=True, slots=True)
-class KvUsageScorer:
+class KvUsageScorer(ScorerHooks):
     """Free KV cache: an engine near full evicts (and preempts) sooner."""
 
     name: str = "kv_usage"
@@ -187,7 +271,7 @@ class KvUsageScorer:
 
 
 @dataclass(frozen=True, slots=True)
-class SessionScorer:
+class SessionScorer(ScorerHooks):
     """Requests carrying the same session id prefer the same endpoint (rendezvous hash of the id)."""
 
     name: str = "session"
@@ -198,6 +282,9 @@ class SessionScorer:
         key = req.session.encode()
         best = max(range(len(eps)), key=lambda i: rendezvous(key, eps[i].url))
         return [1.0 if i == best else 0.0 for i in range(len(eps))]
+
+    def explain(self, outcome: Outcome, weight: float) -> Reason | None:
+        return Reason.SESSION if outcome.win.scores.get(self.name) == 1.0 else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,12 +307,9 @@ class BoundedLoadFilter:
         kept = [ep for ep in eps if ep.in_flight + 1 <= cap]
         return kept or list(eps)
 
-
-@dataclass(frozen=True, slots=True)
-class Ranked:
-    endpoint: Endpoint
-    total: float
-    scores: dict[str, float]
+    def explain(self, dropped: Sequence[Endpoint], matches: dict[str, PrefixMatch]) -> Reason | None:
+        """Bounded load decided when it dropped an endpoint that holds part of the prompt."""
+        return Reason.BOUNDED_LOAD if any(matches.get(ep.url) for ep in dropped) else None
 
 
 def pick(req: RouteRequest, eps: Sequence[Endpoint], scorers: Sequence[tuple[Scorer, float]]) -> list[Ranked]:
@@ -241,3 +325,33 @@ def pick(req: RouteRequest, eps: Sequence[Endpoint], scorers: Sequence[tuple[Sco
     # Round to keep float noise from defeating the tie-break.
     ranked.sort(key=lambda r: (-round(r.total, 9), -rendezvous(key, r.endpoint.url)))
     return ranked
+
+
+ScorerFactory = Callable[[RouterSettings], Scorer]
+
+# Scorers by name; each name is also the field of its weight in RouterSettings.weights.
+SCORERS: dict[str, ScorerFactory] = {
+    "prefill": lambda s: PrefillCostScorer(s.tier_weights, s.block_size, s.queue_weight),
+    "prefix": lambda s: PrefixScorer(s.tier_weights),
+    "load": lambda s: LoadScorer(),
+    "kv_usage": lambda s: KvUsageScorer(),
+    "cache_room": lambda s: CacheRoomScorer(),
+    "recent": lambda s: RecentScorer(s.recent_window_seconds),
+    "session": lambda s: SessionScorer(),
+}
+# Which scorer's explanation wins when several could claim a decision (after a prefix match, which the
+# kv-aware policy reports itself); bounded load, a filter, is asked between session and prefill.
+EXPLAIN_BEFORE_BOUNDED = ("session",)
+EXPLAIN_AFTER_BOUNDED = ("prefill", "recent", "cache_room")
+
+
+def scorer_weight(name: str, settings: RouterSettings) -> float:
+    if name == "session" and not settings.session_header:
+        return 0.0  # no session ids without the header
+    weight: float = getattr(settings.weights, name)
+    return weight
+
+
+def build_scorers(settings: RouterSettings) -> list[tuple[Scorer, float]]:
+    """Every registered scorer with its weight from the settings (weight 0 leaves it out of :func:`pick`)."""
+    return [(factory(settings), scorer_weight(name, settings)) for name, factory in SCORERS.items()]

@@ -24,6 +24,7 @@ from collections.abc import Callable
 import zmq
 import zmq.asyncio
 
+from kvstrata.api.router_config import KV_EVENTS_TOPIC
 from kvstrata.router.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -51,7 +52,7 @@ class KvEventSubscriber:
         index: PrefixIndex,
         metrics: RouterMetrics,
         ctx: zmq.asyncio.Context,
-        topic: str = "kv-events",
+        topic: str = KV_EVENTS_TOPIC,
         replay_timeout: float = 3.0,
         on_batch: Callable[[EventBatch], None] | None = None,
     ) -> None:

@@ -59,3 +59,9 @@ def test_unreproducible_algorithms_are_refused() -> None:
     check_algo("sha256")
     with pytest.raises(UnsupportedHashAlgo, match="sha256"):
         check_algo("xxhash")
+
+
+def test_sha256_cbor_is_reproduced_and_xxhash_refused() -> None:
+    check_algo("sha256_cbor")
+    with pytest.raises(UnsupportedHashAlgo, match="xxhash_cbor"):
+        check_algo("xxhash_cbor")

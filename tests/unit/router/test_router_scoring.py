@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import time
+from typing import get_args
 
 import pytest
 
-from kvstrata.api.router_config import RouterSettings, TierWeights
+from kvstrata.api.router_config import Policy, RouterSettings, TierWeights, Weights
 from kvstrata.router.core import Router
 from kvstrata.router.index import BlockIndex, PrefixMatch
 from kvstrata.router.metrics import RouterMetrics
+from kvstrata.router.policies import POLICIES
 from kvstrata.router.pool import Endpoint, EndpointSpec, PrefillTicket, faded
 from kvstrata.router.requests import parse_request
 from kvstrata.router.scoring import (
+    SCORERS,
     BoundedLoadFilter,
     CacheRoomScorer,
     KvUsageScorer,
@@ -159,30 +162,33 @@ def test_cache_room_sends_an_unknown_prompt_to_the_emptiest_cache() -> None:
 
 
 def test_recent_requests_fade_with_age() -> None:
-    e = ep("a")
-    e.routed(100.0, 10.0)
-    e.routed(100.0, 10.0)
-    assert e.recent_requests(100.0, 10.0) == 2.0
-    assert e.recent_requests(110.0, 10.0) == pytest.approx(2 / 2.718281828, rel=1e-6)
-    e.routed(110.0, 10.0)  # the old ones have faded, the new one counts in full
-    assert e.recent_requests(110.0, 10.0) == pytest.approx(1 + 2 / 2.718281828, rel=1e-6)
+    e, recent = ep("a"), RecentScorer(10.0)
+    recent.on_routed(e, 100.0)
+    recent.on_routed(e, 100.0)
+    assert recent.recent_requests(e, 100.0) == 2.0
+    assert recent.recent_requests(e, 110.0) == pytest.approx(2 / 2.718281828, rel=1e-6)
+    recent.on_routed(e, 110.0)  # the old ones have faded, the new one counts in full
+    assert recent.recent_requests(e, 110.0) == pytest.approx(1 + 2 / 2.718281828, rel=1e-6)
+    recent.on_removed(e)  # the scorer owns this state, and forgets an endpoint that left
+    assert recent.recent_requests(e, 110.0) == 0.0
     assert faded(5.0, -3.0, 10.0) == 5.0  # clock skew never inflates
     assert faded(5.0, 1.0, 0.0) == 0.0
 
 
 def test_recent_scorer_prefers_the_engine_with_fewer_live_conversations() -> None:
     eps = [ep("busy"), ep("quiet"), ep("new")]
+    recent = RecentScorer(10.0)
     for url, times in (("busy", [1.0, 2.0, 3.0]), ("quiet", [0.0])):
         for t in times:
-            next(e for e in eps if e.url == url).routed(t, 10.0)
-    scores = RecentScorer(10.0).score(RouteRequest(now=3.0), eps)
+            recent.on_routed(next(e for e in eps if e.url == url), t)
+    scores = recent.score(RouteRequest(now=3.0), eps)
     assert scores[2] == 1.0 and scores[0] < scores[1] < scores[2]
     # A prompt some engine holds is the prefix scores' business: a follow-up must not leave its holder
     # for an engine that holds less of it because the holder is busy with its conversations.
     held = RouteRequest(
         hashes=[1, 2], matches={"busy": PrefixMatch(2, gpu=2), "quiet": PrefixMatch(1, gpu=1)}, now=3.0
     )
-    assert RecentScorer(10.0).score(held, eps) == [0.0, 0.0, 0.0]
+    assert recent.score(held, eps) == [0.0, 0.0, 0.0]
 
 
 def test_a_new_document_goes_where_fewer_follow_ups_are_coming_with_default_weights() -> None:
@@ -190,9 +196,10 @@ def test_a_new_document_goes_where_fewer_follow_ups_are_coming_with_default_weig
     conversation's last answer (one in flight), another has two conversations between turns."""
     r = _router("kv-aware")
     a, b, c = r.pool.all()
+    recent = _recent(r)
     for e, sent in ((a, [0.0, 2.1, 6.6, 8.1]), (b, [4.1]), (c, [0.4, 5.3])):
         for t in sent:
-            e.routed(t, r.settings.recent_window_seconds)
+            recent.on_routed(e, t)
     b.in_flight = 1
     req = RouteRequest(hashes=[7], tie_key=b"doc", cached_blocks={a.url: 64, b.url: 52, c.url: 56}, now=8.6)
     assert pick(req, [a, b, c], r.scorers)[0].endpoint is b
@@ -240,6 +247,20 @@ def _router(policy: str) -> Router:
     return r
 
 
+def _recent(r: Router) -> RecentScorer:
+    (scorer,) = [s for s, _ in r.scorers if isinstance(s, RecentScorer)]
+    return scorer
+
+
+def test_every_policy_and_scorer_is_registered() -> None:
+    assert set(POLICIES) == set(get_args(Policy))
+    assert set(SCORERS) == set(Weights.model_fields)  # each scorer's weight is a settings field
+    for policy in POLICIES:
+        r = _router(policy)
+        assert [s.name for s, _ in r.scorers] == list(SCORERS)
+        r.close()
+
+
 def _req(prompt: object) -> object:
     import json
 
@@ -280,20 +301,19 @@ async def test_kv_aware_reasons_and_predictions() -> None:
 async def test_kv_aware_says_when_recent_traffic_decided() -> None:
     r = _router("kv-aware")
     eps = r.pool.all()
+    recent = _recent(r)
     for busiest in (eps[0], eps[2]):
-        for e in eps:
-            e.recent, e.recent_at = 0.0, 0.0
+        recent.sent.clear()
         now = time.monotonic()
         for e, n in zip(eps, (2, 1, 2) if busiest is eps[0] else (2, 2, 1), strict=True):
             for _ in range(n):
-                e.routed(now, r.settings.recent_window_seconds)
+                recent.on_routed(e, now)
         d = await r.decide(_req([100, 101, 102, 103]))  # no engine holds it
-        quiet = min(eps, key=lambda e: e.recent)
+        quiet = min(eps, key=lambda e: recent.recent_requests(e, now))
         assert d.order[0] is quiet and d.reason == "recent"
-    window = r.settings.recent_window_seconds
-    before = d.order[0].recent_requests(time.monotonic(), window)
+    before = recent.recent_requests(d.order[0], time.monotonic())
     r.commit(d, d.order[0])
-    assert d.order[0].recent_requests(time.monotonic(), window) > before + 0.9  # sending counts
+    assert recent.recent_requests(d.order[0], time.monotonic()) > before + 0.9  # sending counts
 
 
 async def test_prediction_holds_until_the_prefill_is_over() -> None:
