@@ -16,6 +16,7 @@ import zlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 from test_router_proxy import (  # fixtures and stand-ins shared with the failover tests
@@ -31,9 +32,10 @@ from test_router_proxy import (  # fixtures and stand-ins shared with the failov
 )
 
 from kvstrata.api.router_config import RouterSettings
+from kvstrata.router.loadscrape import LoadScraper
 from kvstrata.router.outcomes import FailureKind
 from kvstrata.router.outlier import AllEjected, OutlierDetector
-from kvstrata.router.pool import Endpoint, EndpointSpec
+from kvstrata.router.pool import Endpoint, EndpointPool, EndpointSpec
 from kvstrata.router.scoring import rendezvous
 from kvstrata.router.workpool import PoolBusy, WorkPools
 
@@ -260,6 +262,26 @@ def test_max_ejection_percent_keeps_some_in_rotation() -> None:
     det.failure(a, FailureKind.CONNECT_ERROR)
     det.failure(b, FailureKind.CONNECT_ERROR)
     assert det.ejected(a) and not det.ejected(b)
+
+
+async def test_scrape_timeouts_eject_a_wedged_engine_but_keep_its_cache(wedged: Callable[[], Any]) -> None:
+    """A wedged engine's /metrics times out: counted (it used to be ignored), the engine ejected, its
+    health and index left alone (a stopped engine keeps its cache)."""
+    w = await wedged()
+    pool = EndpointPool()
+    pool.replace([EndpointSpec(w.url)])
+    (ep,) = pool.all()
+    det = OutlierDetector(RouterSettings(model=MODEL), pool_size=lambda: 1)
+    downs: list[Endpoint] = []
+    async with aiohttp.ClientSession() as session:
+        scraper = LoadScraper(pool, session, timeout=0.2, outlier=det, fail_after=3)
+        scraper.on_down = downs.append
+        for _ in range(2):
+            await scraper.scrape_all()
+        assert not det.ejected(ep)
+        await scraper.scrape_all()
+    assert det.ejected(ep) and det.state(ep).reason is FailureKind.SCRAPE_TIMEOUT
+    assert ep.healthy and downs == []
 
 
 async def test_5xx_burst_ejects_the_engine(make_router: RouterFactory, fakes: Callable[..., Any]) -> None:
