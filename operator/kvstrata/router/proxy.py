@@ -305,8 +305,10 @@ class Proxy:
 
     async def _read_bounded(self, resp: aiohttp.ClientResponse) -> bytes:
         limit = self.settings.max_response_bytes
-        if (resp.content_length or 0) > limit:
-            raise _TooLarge
+        if resp.content_length is not None:
+            if resp.content_length > limit:
+                raise _TooLarge
+            return await resp.read()
         parts: list[bytes] = []
         size = 0
         while chunk := await resp.content.readany():
