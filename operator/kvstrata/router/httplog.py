@@ -27,8 +27,11 @@ class MalformedHttpFilter(logging.Filter):
         log.debug("malformed HTTP request refused: %s: %s", type(exc).__name__, exc.message)
         return False
 
-    def install(self) -> None:
-        logging.getLogger(SERVER_LOGGER).addFilter(self)
-
-    def remove(self) -> None:
-        logging.getLogger(SERVER_LOGGER).removeFilter(self)
+    def logger(self) -> logging.Logger:
+        """A logger of this router's own for aiohttp's server (``RequestHandler(logger=...)``) that
+        carries this filter and passes everything else on to ``aiohttp.server``'s handlers. Its own,
+        so that routers embedded side by side each count their own requests."""
+        own = logging.Logger(SERVER_LOGGER)  # not registered: nothing to leak per router
+        own.parent = logging.getLogger(SERVER_LOGGER)
+        own.addFilter(self)
+        return own

@@ -163,8 +163,8 @@ class RouterService:
             access_log=None,
             keepalive_timeout=s.header_read_timeout_seconds,
             auto_decompress=False,
+            logger=self._http_filter.logger(),
         )
-        self._http_filter.install()
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port, backlog=4096)
         await site.start()
@@ -183,7 +183,6 @@ class RouterService:
             await self._runner.cleanup()
         if self._admin_runner is not None:
             await self._admin_runner.cleanup()
-        self._http_filter.remove()
         if self.watcher is not None:
             await self.watcher.stop()
         if self.scraper is not None:
