@@ -321,12 +321,48 @@ class RouterWeights(Wire):
     )
 
 
+class RouterTimeouts(Wire):
+    """The router's deadlines toward engines (docs/router.md, "Timeouts and ejection")."""
+
+    connect_seconds: float = Field(3.0, gt=0, le=300, description="Connecting to an engine")
+    first_byte_seconds: float = Field(
+        60.0,
+        gt=0,
+        le=3600,
+        description="Streamed requests: the engine's first streamed byte (queue + prefill); past it the "
+        "request is retried on another engine",
+    )
+    stream_idle_seconds: float = Field(
+        60.0, gt=0, le=3600, description="Longest pause between two chunks of a started stream"
+    )
+    response_seconds: float = Field(
+        600.0, gt=0, le=86400, description="Non-streamed requests: the whole answer"
+    )
+
+
+class RouterEjection(Wire):
+    """Outlier ejection: engines that keep failing leave rotation for a growing time."""
+
+    consecutive_failures: int = Field(
+        3,
+        ge=1,
+        le=1000,
+        description="Failures in a row (connect, first-byte timeout, 5xx, scrape) that eject",
+    )
+    base_seconds: float = Field(
+        10.0, gt=0, le=3600, description="First ejection's length; the n-th in a row lasts n times this"
+    )
+    max_seconds: float = Field(300.0, gt=0, le=86400, description="Longest ejection")
+
+
 class RouterSpec(Wire):
     replicas: int = Field(1, ge=0, le=64)
     policy: RoutingPolicy = Field(DEFAULT_POLICY)
     weights: RouterWeights = Field(default_factory=RouterWeights)
     image: str = Field("ghcr.io/kvstrata/router:0.1.0", min_length=1, max_length=512)
     port: int = Field(ROUTER_PORT, ge=1, le=65535)
+    timeouts: RouterTimeouts = Field(default_factory=RouterTimeouts)
+    ejection: RouterEjection = Field(default_factory=RouterEjection)
 
 
 class InferenceClusterSpec(Wire):

@@ -177,3 +177,78 @@ class RouterSettings(_Wire):
         description="At start, wait this long for every engine's KV-event replay before serving: a "
         "router that routes on a half-replayed history sends prompts to engines that no longer hold them",
     )
+    # --- Timeouts, outlier ejection and limits (a wedged engine, hostile bodies, huge prompts) ---
+    first_byte_timeout_seconds: float = Field(
+        60.0,
+        gt=0,
+        description="Streamed requests: longest wait for the engine's first streamed byte (its queue "
+        "and prefill); past it the request goes to the next-best engine and the miss counts toward "
+        "ejection. Non-streamed requests are bounded by upstreamTimeoutSeconds (engines send nothing "
+        "before the end) and by ejection, which cuts off their wait on an engine that stops answering",
+    )
+    stream_idle_timeout_seconds: float = Field(
+        60.0, gt=0, description="Longest pause between two chunks of a stream that has started"
+    )
+    scrape_timeout_seconds: float = Field(
+        3.0, gt=0, description="Engine /metrics scrape deadline; a scrape past it counts as a failure"
+    )
+    ejection_consecutive_failures: int = Field(
+        3,
+        ge=1,
+        description="Consecutive connect errors, first-byte timeouts, 5xx answers or failed scrapes "
+        "that eject an engine from rotation",
+    )
+    ejection_base_seconds: float = Field(
+        10.0,
+        gt=0,
+        description="Ejection time; the n-th ejection in a row lasts n × this (the count decays by one "
+        "per this much time back in rotation), up to ejectionMaxSeconds",
+    )
+    ejection_max_seconds: float = Field(300.0, gt=0, description="Longest ejection")
+    max_ejection_percent: int = Field(
+        100,
+        ge=0,
+        le=100,
+        description="At most this share of engines ejected at once; at 100 every engine can be, and "
+        "requests then get a fast 503",
+    )
+    max_body_bytes: int = Field(
+        64 * 1024**2, gt=0, description="Request body bound, before and after decompression (413 past it)"
+    )
+    max_response_bytes: int = Field(
+        64 * 1024**2, gt=0, description="Bound on a non-streamed engine response the router buffers (502)"
+    )
+    max_prompt_chars: int = Field(
+        2_000_000,
+        gt=0,
+        description="Longest prompt (characters of the prompt or of all message contents; token ids "
+        "count 4 characters each) accepted; longer ones get a 413",
+    )
+    large_prompt_chars: int = Field(
+        65_536,
+        gt=0,
+        description="Prompts longer than this are tokenized in a separate one-thread pool, so they "
+        "never hold up short ones",
+    )
+    large_prompt_queue: int = Field(
+        4,
+        ge=1,
+        description="Large prompts tokenizing or waiting at once; further ones route on character "
+        "blocks (counted as fallback reason large_prompt_busy)",
+    )
+    header_read_timeout_seconds: float = Field(
+        30.0,
+        gt=0,
+        description="A connection must send a complete request head within this (also the idle "
+        "keep-alive timeout)",
+    )
+    body_read_timeout_seconds: float = Field(
+        30.0, gt=0, description="A request body must arrive within this once its head has (408 past it)"
+    )
+    admin_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="When set, /kvstrata/state is served only on this port (with /metrics, /health, "
+        "/ready), not on the public one",
+    )

@@ -306,6 +306,13 @@ def router_settings(name: str, namespace: str, spec: InferenceClusterSpec, plan:
         policy=spec.router.policy,
         weights=Weights(prefill=w.prefill, prefix=w.prefix, load=w.load, kv_usage=w.kv_usage),
         queue_weight=w.queue,
+        connect_timeout_seconds=spec.router.timeouts.connect_seconds,
+        first_byte_timeout_seconds=spec.router.timeouts.first_byte_seconds,
+        stream_idle_timeout_seconds=spec.router.timeouts.stream_idle_seconds,
+        upstream_timeout_seconds=spec.router.timeouts.response_seconds,
+        ejection_consecutive_failures=spec.router.ejection.consecutive_failures,
+        ejection_base_seconds=spec.router.ejection.base_seconds,
+        ejection_max_seconds=spec.router.ejection.max_seconds,
         discovery=Discovery(
             namespace=namespace,
             service=engine_name(name),

@@ -8,12 +8,10 @@ them (measured: ~130 µs inline vs ~260 µs through the pool for a 350-character
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import aiohttp
@@ -23,6 +21,7 @@ from kvstrata.router.decision import Decision
 from kvstrata.router.hashing import block_hashes, char_block_hashes, check_algo
 from kvstrata.router.index import BlockIndex, PrefixMatch
 from kvstrata.router.metrics import RouterMetrics
+from kvstrata.router.outlier import OutlierDetector
 from kvstrata.router.policies import POLICIES
 from kvstrata.router.pool import Endpoint, EndpointPool
 from kvstrata.router.prompts import ChatTemplateError, LocalTokenizer, chat_template_kwargs
@@ -40,6 +39,7 @@ from kvstrata.router.scoring import (
     build_scorers,
     pick,
 )
+from kvstrata.router.workpool import PoolBusy, WorkPools
 
 __all__ = ["Decision", "NoEndpoints", "Router"]
 
@@ -78,7 +78,10 @@ class Router:
         if tokenizer is None and settings.tokenizer:
             tokenizer = LocalTokenizer(settings.tokenizer)
         self.tokenizer = tokenizer
-        self.executor = ThreadPoolExecutor(settings.tokenizer_threads, thread_name_prefix="kvstrata-tok")
+        self.work = WorkPools(
+            settings.tokenizer_threads, settings.large_prompt_chars, settings.large_prompt_queue
+        )
+        self.outlier = OutlierDetector(settings, metrics.ejected_by, lambda: len(self.pool))
         self.chunk_chars = settings.approx_chunk_chars or 4 * settings.block_size
         self.scorers: list[tuple[Scorer, float]] = build_scorers(settings)
         self.bounded = BoundedLoadFilter(settings.bounded_load_factor, settings.bounded_load_slack)
@@ -88,13 +91,17 @@ class Router:
         self.pool.subscribe(lambda ep: None, self._forget)
         metrics.bind_index(lambda: len(self.index), lambda: self.index.evictions)
         metrics.bind_endpoints(
-            lambda: len(self.pool.healthy()), lambda: len(self.pool) - len(self.pool.healthy())
+            lambda: len(self.pool.healthy()),
+            lambda: len(self.pool) - len(self.pool.healthy()),
+            lambda: sum(1 for ep in self.pool.all() if self.outlier.ejected(ep)),
         )
 
     def close(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.work.shutdown()
 
     def _forget(self, ep: Endpoint) -> None:
+        if ep.url not in self.pool:
+            self.outlier.forget(ep.url)
         self.index.drop_endpoint(ep.url)
         self.approx.drop_endpoint(ep.url)
         for scorer, _ in self.scorers:
@@ -126,12 +133,12 @@ class Router:
         assert self.tokenizer is not None
         return self._hash_tokens(self.tokenizer.encode_chat(messages, **kwargs))
 
-    async def _offload(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+    async def _offload(self, size: int, fn: Any, *args: Any) -> Any:
+        return await self.work.run(size, fn, *args)
 
-    async def _compute(self, inline: bool, fn: Any, *args: Any) -> Any:
-        """``fn(*args)`` on the loop when it is cheap (``inline``), else in the pool."""
-        return fn(*args) if inline else await self._offload(fn, *args)
+    async def _compute(self, inline: bool, size: int, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` on the loop when it is cheap (``inline``), else in the pool for its ``size``."""
+        return fn(*args) if inline else await self._offload(size, fn, *args)
 
     async def prompt_hashes(
         self, req: ParsedRequest, candidates: Sequence[Endpoint]
@@ -141,7 +148,7 @@ class Router:
         bs = self.settings.block_size
         if req.token_ids is not None:
             ids = req.token_ids
-            n, hashes = await self._compute(len(ids) <= _INLINE_HASH_BLOCKS * bs, self._hash_tokens, ids)
+            n, hashes = await self._compute(len(ids) <= _INLINE_HASH_BLOCKS * bs, 0, self._hash_tokens, ids)
             return hashes, False, n
         if self.tokenizer is not None:
             try:
@@ -151,15 +158,19 @@ class Router:
                         self._token_cache.move_to_end(req.text)
                         return cached[1], False, cached[0]
                     inline = len(req.text) <= _INLINE_TOKENIZE_CHARS
-                    n, hashes = await self._compute(inline, self._hash_completion, req.text)
+                    n, hashes = await self._compute(inline, len(req.text), self._hash_completion, req.text)
                     if len(req.text) <= _TOKEN_CACHE_MAX_CHARS:
                         self._token_cache[req.text] = (n, hashes)
                         if len(self._token_cache) > _TOKEN_CACHE_SIZE:
                             self._token_cache.popitem(last=False)
                     return hashes, False, n
                 assert req.messages is not None
-                n, hashes = await self._offload(self._hash_chat, req.messages, chat_template_kwargs(req.body))
+                n, hashes = await self._offload(
+                    req.size, self._hash_chat, req.messages, chat_template_kwargs(req.body)
+                )
                 return hashes, False, n
+            except PoolBusy:
+                return await self._fallback(req, "large_prompt_busy")
             except ChatTemplateError as exc:
                 log.debug("chat template failed, falling back: %s", exc)
                 return await self._fallback(req, "chat_template")
@@ -174,7 +185,7 @@ class Router:
             remote = await self._remote_tokens(req, candidates)
             if remote is not None:
                 n, hashes = await self._compute(
-                    len(remote) <= _INLINE_HASH_BLOCKS * bs, self._hash_tokens, remote
+                    len(remote) <= _INLINE_HASH_BLOCKS * bs, 0, self._hash_tokens, remote
                 )
                 return hashes, False, n
             return await self._fallback(req, "remote_tokenize_failed")
@@ -185,7 +196,8 @@ class Router:
     async def _fallback(self, req: ParsedRequest, reason: str) -> tuple[list[int], bool, int | None]:
         self.metrics.fallbacks.labels(reason).inc()
         text = req.routing_text()
-        hashes = await self._compute(len(text) <= _INLINE_CHARS, char_block_hashes, text, self.chunk_chars)
+        # Size 0: the small pool, never refused (a hash over the text, bounded by maxPromptChars).
+        hashes = await self._compute(len(text) <= _INLINE_CHARS, 0, char_block_hashes, text, self.chunk_chars)
         return hashes, True, None
 
     async def _remote_tokens(self, req: ParsedRequest, candidates: Sequence[Endpoint]) -> list[int] | None:
@@ -226,11 +238,11 @@ class Router:
 
     # --- decisions -------------------------------------------------------------------------------
     def candidates(self) -> list[Endpoint]:
-        eps = self.pool.healthy()
-        if eps:
-            return eps
+        """Endpoints not ejected (:class:`AllEjected` if all are), the healthy ones first choice."""
+        eps = self.outlier.available(self.pool.all())
+        healthy = [ep for ep in eps if ep.healthy]
         # Health is a belief; if every endpoint looks down, still try them rather than refuse.
-        return self.pool.all()
+        return healthy or eps
 
     async def decide(self, req: ParsedRequest, session_id: str | None = None) -> Decision:
         t0 = time.perf_counter()

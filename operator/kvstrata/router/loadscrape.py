@@ -13,13 +13,17 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from kvstrata.router.outcomes import FailureKind
+from kvstrata.router.outlier import OutlierDetector
 from kvstrata.router.pool import Endpoint, EndpointPool
 from kvstrata.vllm_metrics import scan_load_gauges
 
 log = logging.getLogger("kvstrata.router.scrape")
 
-# An endpoint is marked unhealthy after this many failed scrapes in a row: refused/reset connections
-# or 5xx, never timeouts (a proxy connect error marks it at once); one success marks it healthy again.
+# An endpoint is marked unhealthy (its index entries dropped: it lost or will lose its cache) after
+# this many failed scrapes in a row: refused/reset connections or 5xx, never timeouts (a stopped or
+# busy engine keeps its cache); one success marks it healthy again. Separately, ``fail_after``
+# failures in a row, timeouts included, eject it from rotation (router/outlier.py).
 UNHEALTHY_AFTER = 2
 
 
@@ -40,8 +44,16 @@ class LoadScraper:
     """Scrapes every endpoint concurrently every ``interval`` seconds and updates it in place."""
 
     def __init__(
-        self, pool: EndpointPool, session: aiohttp.ClientSession, interval: float = 1.0, timeout: float = 5.0
+        self,
+        pool: EndpointPool,
+        session: aiohttp.ClientSession,
+        interval: float = 1.0,
+        timeout: float = 5.0,
+        outlier: OutlierDetector | None = None,
+        fail_after: int = 3,
     ) -> None:
+        self.outlier = outlier
+        self.fail_after = fail_after
         self.pool = pool
         self.session = session
         self.interval = interval
@@ -75,14 +87,16 @@ class LoadScraper:
                 text = await resp.text() if resp.status == 200 else ""
                 reachable = resp.status < 500
         except TimeoutError:
-            # Slow is not dead: an engine busy with prefill answers late. Keep its stale load.
+            # Slow is not dead (its cache is intact), but an engine whose API server cannot answer
+            # /metrics in time is wedged for routing purposes: it counts toward ejection.
             log.debug("scrape %s timed out", ep.url)
+            self._failed(ep, FailureKind.SCRAPE_TIMEOUT)
             return
         except (aiohttp.ClientError, UnicodeDecodeError) as exc:
             log.debug("scrape %s failed: %s", ep.url, exc)
             reachable, text = False, ""
         if not reachable:
-            ep.failures += 1
+            self._failed(ep, FailureKind.SCRAPE_FAILED)
             if ep.failures >= UNHEALTHY_AFTER and ep.healthy:
                 log.warning("endpoint %s unhealthy (%d failed scrapes)", ep.url, ep.failures)
                 ep.healthy = False
@@ -96,3 +110,8 @@ class LoadScraper:
         if text:
             load = parse_load(text)
             ep.running, ep.waiting, ep.kv_usage, ep.scraped = load.running, load.waiting, load.kv_usage, True
+
+    def _failed(self, ep: Endpoint, kind: FailureKind) -> None:
+        ep.failures += 1
+        if self.outlier is not None and ep.failures >= self.fail_after:
+            self.outlier.eject(ep, kind)

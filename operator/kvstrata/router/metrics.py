@@ -10,10 +10,13 @@ which vLLM includes only when it runs with ``--enable-prompt-tokens-details``.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvstrata.router.outcomes import FailureKind, Outcome
+from kvstrata.router.pool import Endpoint
 from kvstrata.router.reasons import AFFINITY_REASONS
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -93,17 +96,47 @@ class RouterMetrics:
             f"{p}_engine_restarts", "Event sequence restarts (engine restarted)", ["endpoint"], registry=r
         )
         self.endpoints = Gauge(f"{p}_endpoints", "Endpoints by health", ["state"], registry=r)
+        self.in_flight = Gauge(
+            f"{p}_in_flight", "Requests this router has in flight at each endpoint", ["endpoint"], registry=r
+        )
+        self.ejected = Gauge(
+            f"{p}_ejected", "1 while the endpoint is ejected from rotation", ["endpoint"], registry=r
+        )
+        self.ejections = Counter(
+            f"{p}_ejections", "Outlier ejections by endpoint and the failure that tipped it", ["endpoint", "reason"],
+            registry=r,
+        )  # fmt: skip
+        self.malformed_http = Counter(
+            f"{p}_malformed_http",
+            "Requests aiohttp could not parse (answered 400, logged without a traceback), by error",
+            ["error"],
+            registry=r,
+        )
         self._affinity = 0
         self._decided = 0
         self._decision_children: dict[str, Counter] = {}
         # labels() takes a lock and builds a tuple each call; the hot path reuses the children.
-        self._request_children: dict[tuple[str, str], Counter] = {}
+        self._request_children: dict[tuple[str, Outcome], Counter] = {}
         self._latency_children: dict[str, Histogram] = {}
 
-    def request_done(self, endpoint: str, outcome: str, seconds: float | None) -> None:
+    def track_endpoint(self, ep: Endpoint, ejected: Callable[[], float]) -> None:
+        self.in_flight.labels(ep.url).set_function(lambda: ep.in_flight)
+        self.ejected.labels(ep.url).set_function(ejected)
+
+    def forget_endpoint(self, url: str) -> None:
+        for gauge in (self.in_flight, self.ejected):
+            with contextlib.suppress(KeyError):
+                gauge.remove(url)
+
+    def ejected_by(self, ep: Endpoint, kind: FailureKind) -> None:
+        self.ejections.labels(ep.url, kind.value).inc()
+
+    def request_done(self, endpoint: str, outcome: Outcome, seconds: float | None) -> None:
         child = self._request_children.get((endpoint, outcome))
         if child is None:
-            child = self._request_children[(endpoint, outcome)] = self.requests.labels(endpoint, outcome)
+            child = self._request_children[(endpoint, outcome)] = self.requests.labels(
+                endpoint, outcome.value
+            )
         child.inc()
         if seconds is not None:
             hist = self._latency_children.get(endpoint)
@@ -125,6 +158,9 @@ class RouterMetrics:
         self.index_blocks.set_function(size)
         self.index_evictions.set_function(evictions)
 
-    def bind_endpoints(self, healthy: Callable[[], float], unhealthy: Callable[[], float]) -> None:
+    def bind_endpoints(
+        self, healthy: Callable[[], float], unhealthy: Callable[[], float], ejected: Callable[[], float]
+    ) -> None:
         self.endpoints.labels("healthy").set_function(healthy)
         self.endpoints.labels("unhealthy").set_function(unhealthy)
+        self.endpoints.labels("ejected").set_function(ejected)

@@ -1,13 +1,23 @@
 """HTTP in, HTTP out: the OpenAI endpoints, failover, and the router's own /health, /ready, /metrics.
 
+Deadlines (see docs/router.md, "Timeouts and ejection"):
+- connect: ``connectTimeoutSeconds``;
+- streamed requests: the engine's first streamed byte within ``firstByteTimeoutSeconds``, then at
+  most ``streamIdleTimeoutSeconds`` between chunks, however long the stream lasts;
+- non-streamed requests: the whole answer within ``upstreamTimeoutSeconds`` (engines send nothing
+  before the end), read into memory up to ``maxResponseBytes``.
+A wait for the first byte also ends when its endpoint is ejected (another request's failures, or
+failed scrapes, showed it wedged): the request is retried elsewhere.
+
 Failover rules:
-- connect error, timeout, dropped connection, or a 5xx *before anything was sent to the client* →
-  the next-best endpoint (at most ``max_retries`` more); a non-streaming response is read whole
-  before it is sent, so a failure while reading it is still "before the first byte";
+- a failure *before anything was sent to the client* (connect error or timeout, first-byte timeout,
+  dropped connection, 5xx, ejection) → the next-best endpoint (at most ``max_retries`` more); a
+  non-streaming response is read whole before it is sent, so a failure while reading it is still
+  "before the first byte";
 - once a stream has started, never replay: the client gets an SSE error event and the stream ends;
 - a client that disconnects cancels the handler (``handler_cancellation``), which closes the
   upstream connection, which makes vLLM abort the request.
-The client's request bytes are forwarded as received (parsed once for routing, never re-serialised).
+Every engine fault feeds outlier ejection (router/outlier.py); a client's going away does not.
 """
 
 from __future__ import annotations
@@ -16,18 +26,24 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvstrata.router.bodies import read_body
 from kvstrata.router.core import Decision, NoEndpoints, Router
+from kvstrata.router.errors import json_error, sse_error
+from kvstrata.router.outcomes import ENGINE_FAULTS, Answered, AttemptResult, Failed, FailureKind, Outcome
+from kvstrata.router.outlier import AllEjected
 from kvstrata.router.pool import Endpoint, PrefillTicket
 from kvstrata.router.reasons import Reason
 from kvstrata.router.requests import BadRequest, Kind, parse_request
 
 log = logging.getLogger("kvstrata.router.proxy")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 ROUTER_KEY: web.AppKey[Router] = web.AppKey("router", Router)
 SESSION_KEY: web.AppKey[aiohttp.ClientSession] = web.AppKey("session", aiohttp.ClientSession)
@@ -46,29 +62,23 @@ _HOP_BY_HOP = frozenset(
         "content-length",
     }
 )
+# The router reads response bodies (usage, SSE), so it asks engines for none it would have to decode.
+_REQ_DROP = _HOP_BY_HOP | {"accept-encoding"}
 # The upstream session does not decompress, so content-encoding travels with the untouched body.
 _RESP_DROP = _HOP_BY_HOP | {"date", "server"}
+_RETRYABLE_STATUS = 500
 
 
-def json_error(
-    status: int, message: str, *, code: str | None = None, param: str | None = None
-) -> web.Response:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return web.json_response(body, status=status)
-
-
-def _request_headers(request: web.Request) -> dict[str, str]:
-    return {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+def _request_headers(request: web.Request, decoded: bool) -> dict[str, str]:
+    out = {k: v for k, v in request.headers.items() if k.lower() not in _REQ_DROP}
+    if decoded:  # the body travels decoded: its old encoding no longer applies
+        out = {k: v for k, v in out.items() if k.lower() != "content-encoding"}
+    out["Accept-Encoding"] = "identity"
+    return out
 
 
 def _response_headers(resp: aiohttp.ClientResponse) -> dict[str, str]:
     return {k: v for k, v in resp.headers.items() if k.lower() not in _RESP_DROP}
-
-
-def _sse_error(message: str) -> bytes:
-    body = {"error": {"message": message, "type": "server_error", "param": None, "code": "upstream_failed"}}
-    return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
 def _cached_tokens(body: bytes) -> int | None:
@@ -79,20 +89,26 @@ def _cached_tokens(body: bytes) -> int | None:
         usage = json.loads(body).get("usage") or {}
         details = usage.get("prompt_tokens_details") or {}
         value = details.get("cached_tokens")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return None
     return value if isinstance(value, int) else None
+
+
+class _TooLarge(Exception):
+    pass
 
 
 class Proxy:
     def __init__(self, router: Router, session: aiohttp.ClientSession) -> None:
         self.router = router
         self.session = session
-        s = router.settings
+        s = self.settings = router.settings
+        # Deadlines other than connect are ours (asyncio.timeout), per phase; see the module doc.
         self.timeout = aiohttp.ClientTimeout(
-            total=s.upstream_timeout_seconds, sock_connect=s.connect_timeout_seconds
+            total=None, sock_connect=s.connect_timeout_seconds, sock_read=None
         )
         self.metrics = router.metrics
+        self.outlier = router.outlier
         self.block_size = s.block_size
 
     # --- OpenAI generation endpoints ---------------------------------------------------------------
@@ -102,51 +118,76 @@ class Proxy:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "chat")
 
+    async def _read(self, request: web.Request) -> tuple[bytes, bool]:
+        s = self.settings
+        return await read_body(request, limit=s.max_body_bytes, timeout=s.body_read_timeout_seconds)
+
+    def _refuse(self, exc: BadRequest) -> web.Response:
+        self.metrics.bad_requests.labels(exc.code or exc.param or "invalid").inc()
+        return web.json_response(exc.body(), status=exc.status)
+
+    def _no_endpoints(self, exc: NoEndpoints | AllEjected) -> web.Response:
+        if isinstance(exc, AllEjected):
+            retry = max(int(exc.retry_after + 0.999), 1)
+            return json_error(
+                503, str(exc), code="all_endpoints_ejected", headers={"Retry-After": str(retry)}
+            )
+        return json_error(503, str(exc), code="no_endpoints")
+
     async def _generate(self, request: web.Request, kind: Kind) -> web.StreamResponse:
-        raw = await request.read()
         try:
-            parsed = parse_request(raw, kind, self.router.settings.model)
+            raw, decoded = await self._read(request)
+            parsed = parse_request(raw, kind, self.settings.model, self.settings.max_prompt_chars)
         except BadRequest as exc:
-            self.metrics.bad_requests.labels(exc.code or exc.param or "invalid").inc()
-            return web.json_response(exc.body(), status=exc.status)
-        header = self.router.settings.session_header
+            return self._refuse(exc)
+        header = self.settings.session_header
         session_id = request.headers.get(header) if header else None
         try:
             decision = await self.router.decide(parsed, session_id)
-        except NoEndpoints as exc:
-            return json_error(503, str(exc), code="no_endpoints")
-        return await self._forward(request, raw, decision, stream=parsed.stream)
+        except (NoEndpoints, AllEjected) as exc:
+            return self._no_endpoints(exc)
+        return await self._forward(request, raw, decoded, decision, stream=parsed.stream)
 
     # --- everything else an engine serves --------------------------------------------------------
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
-        eps = self.router.candidates()
+        try:
+            eps = self.router.candidates()
+        except AllEjected as exc:
+            return self._no_endpoints(exc)
         if not eps:
             return json_error(503, "no engine endpoints are known to the router", code="no_endpoints")
-        raw = await request.read()
+        try:
+            raw, decoded = await self._read(request)
+        except BadRequest as exc:
+            return self._refuse(exc)
         order = sorted(eps, key=lambda ep: ep.load)
         return await self._forward(
-            request, raw, Decision(order, Reason.PASSTHROUGH, routed=False), stream=False
+            request, raw, decoded, Decision(order, Reason.PASSTHROUGH, routed=False), stream=False
         )
 
     async def _forward(
-        self, request: web.Request, raw: bytes, decision: Decision, *, stream: bool
+        self, request: web.Request, raw: bytes, decoded: bool, decision: Decision, *, stream: bool
     ) -> web.StreamResponse:
-        attempts = decision.order[: self.router.settings.max_retries + 1]
-        headers = _request_headers(request)
-        path = (
-            request.rel_url.raw_path_qs if hasattr(request.rel_url, "raw_path_qs") else str(request.rel_url)
-        )
-        last_error = "no endpoint tried"
+        attempts = decision.order[: self.settings.max_retries + 1]
+        headers = _request_headers(request, decoded)
+        path = request.rel_url.raw_path_qs
+        last: Failed | None = None
         for i, ep in enumerate(attempts):
-            if i:
-                self.metrics.retries.labels(last_error.split(":", 1)[0]).inc()
+            if last is not None:
+                self.metrics.retries.labels(last.kind.value).inc()
+            if i and self.outlier.ejected(ep):
+                last = Failed(FailureKind.EJECTED, f"{ep.url} was ejected")
+                continue
             is_last = i == len(attempts) - 1
             result = await self._attempt(request, raw, path, headers, decision, ep, stream, is_last)
-            if isinstance(result, web.StreamResponse):
-                return result
-            last_error = result
+            if isinstance(result, Answered):
+                return result.response
+            last = result
+        assert last is not None
         return json_error(
-            502, f"all {len(attempts)} endpoint(s) failed; last error: {last_error}", code="upstream_failed"
+            502,
+            f"all {len(attempts)} endpoint(s) failed; last error: {last.kind}: {last.detail}",
+            code="upstream_failed",
         )
 
     def _decision_headers(self, decision: Decision, ep: Endpoint) -> dict[str, str]:
@@ -166,103 +207,177 @@ class Proxy:
         ep: Endpoint,
         stream: bool,
         is_last: bool,
-    ) -> web.StreamResponse | str:
-        """The response on success, else a short error string (and the caller tries the next one)."""
+    ) -> AttemptResult:
+        """One try on ``ep``: :class:`Answered` (the client has its response) or :class:`Failed`
+        (nothing was sent; the caller may try the next endpoint)."""
         self.router.commit(decision, ep)
         ep.in_flight += 1
         prefill = PrefillTicket(ep, decision.uncached_tokens(ep, self.block_size))
         t0 = time.perf_counter()
-        outcome = "error"
+        outcome = Outcome.DISCONNECTED
         try:
-            try:
-                resp = await self.session.request(
-                    request.method, ep.url + path, data=raw or None, headers=headers, timeout=self.timeout
-                )
-            except aiohttp.ClientConnectorError as exc:
-                self.router.mark_down(ep)
-                outcome = "connect_error"
-                return f"connect_error: {ep.url}: {exc}"
-            except (aiohttp.ClientConnectionError, TimeoutError) as exc:
-                outcome = "timeout" if isinstance(exc, TimeoutError) else "disconnected"
-                return f"{outcome}: {ep.url}: {exc!r}"
-            try:
-                if resp.status >= 500 and not is_last:
-                    outcome = "upstream_5xx"
-                    return f"upstream_5xx: {ep.url} answered {resp.status}"
-                if stream and resp.status == 200:
-                    outcome, streamed = await self._stream(request, resp, decision, ep, t0, prefill)
-                    return streamed
-                try:
-                    body = await resp.read()
-                except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
-                    outcome = "disconnected"
-                    return f"disconnected: {ep.url} while reading the response: {exc!r}"
-                except TimeoutError:
-                    # The engine answered but took longer than the whole budget: no time left to retry.
-                    outcome = "timeout"
-                    return json_error(
-                        504, f"{ep.url} did not finish within {self.timeout.total}s", code="upstream_timeout"
-                    )
-                out = web.Response(status=resp.status, body=body, headers=_response_headers(resp))
-                out.headers.update(self._decision_headers(decision, ep))
-                outcome = "ok" if resp.status < 400 else f"http_{resp.status // 100}xx"
-                if decision.hashes:
-                    self._observe_cached(decision, ep, body)
-                return out
-            finally:
-                resp.release()
+            result, outcome = await self._exchange(
+                request, raw, path, headers, decision, ep, stream, is_last, t0, prefill
+            )
+            return result
         except asyncio.CancelledError:
-            outcome = "client_disconnect"
+            outcome = Outcome.CLIENT_DISCONNECT
             raise
         finally:
             ep.in_flight -= 1
             self._prefill_over(prefill, decision, ep)
-            done = outcome in ("ok", "stream_ok")
+            done = outcome in (Outcome.OK, Outcome.STREAM_OK)
             self.metrics.request_done(ep.url, outcome, time.perf_counter() - t0 if done else None)
+            fault = ENGINE_FAULTS.get(outcome)
+            if fault is not None:
+                self.outlier.failure(ep, fault)
+            elif outcome is not Outcome.CLIENT_DISCONNECT and outcome is not Outcome.EJECTED:
+                self.outlier.success(ep)
+
+    async def _exchange(
+        self,
+        request: web.Request,
+        raw: bytes,
+        path: str,
+        headers: dict[str, str],
+        decision: Decision,
+        ep: Endpoint,
+        stream: bool,
+        is_last: bool,
+        t0: float,
+        prefill: PrefillTicket,
+    ) -> tuple[AttemptResult, Outcome]:
+        s = self.settings
+        deadline = s.first_byte_timeout_seconds if stream else s.upstream_timeout_seconds
+        resp: aiohttp.ClientResponse | None = None
+        try:
+            try:
+                async with asyncio.timeout(deadline) as limit:
+                    with self.outlier.waiter(ep, limit) as waiter:
+                        resp = await self.session.request(
+                            request.method,
+                            ep.url + path,
+                            data=raw or None,
+                            headers=headers,
+                            timeout=self.timeout,
+                        )
+                        if resp.status >= _RETRYABLE_STATUS and not is_last:
+                            kind = FailureKind.UPSTREAM_5XX
+                            return Failed(kind, f"{ep.url} answered {resp.status}"), Outcome.of(kind)
+                        if stream and resp.status == 200:
+                            first = await resp.content.readany()
+                        else:
+                            body = await self._read_bounded(resp)
+            except aiohttp.ConnectionTimeoutError as exc:
+                return self._failed(FailureKind.CONNECT_TIMEOUT, ep, exc)
+            except aiohttp.ClientConnectorError as exc:
+                self.router.mark_down(ep)
+                return self._failed(FailureKind.CONNECT_ERROR, ep, exc)
+            except TimeoutError as exc:
+                if waiter.cut:
+                    return self._failed(FailureKind.EJECTED, ep, exc)
+                if stream:
+                    return self._failed(FailureKind.FIRST_BYTE_TIMEOUT, ep, exc)
+                # The whole budget is spent: no time left to retry.
+                msg = f"{ep.url} did not answer within {deadline:g}s"
+                return Answered(json_error(504, msg, code="upstream_timeout")), Outcome.RESPONSE_TIMEOUT
+            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+                return self._failed(FailureKind.DISCONNECTED, ep, exc)
+            except _TooLarge:
+                msg = f"{ep.url} answered more than maxResponseBytes ({s.max_response_bytes}) bytes"
+                return Answered(
+                    json_error(502, msg, code="upstream_response_too_large")
+                ), Outcome.RESPONSE_TOO_LARGE
+            if stream and resp.status == 200:
+                return await self._stream(request, resp, first, decision, ep, t0, prefill)
+            out = web.Response(status=resp.status, body=body, headers=_response_headers(resp))
+            out.headers.update(self._decision_headers(decision, ep))
+            if decision.hashes:
+                self._observe_cached(decision, ep, body)
+            if resp.status < 400:
+                return Answered(out), Outcome.OK
+            return Answered(out), Outcome.HTTP_4XX if resp.status < 500 else Outcome.HTTP_5XX
+        finally:
+            if resp is not None:
+                resp.release()
+
+    def _failed(self, kind: FailureKind, ep: Endpoint, exc: BaseException) -> tuple[AttemptResult, Outcome]:
+        return Failed(kind, f"{ep.url}: {exc!r}"), Outcome.of(kind)
+
+    async def _read_bounded(self, resp: aiohttp.ClientResponse) -> bytes:
+        limit = self.settings.max_response_bytes
+        if resp.content_length is not None:
+            if resp.content_length > limit:
+                raise _TooLarge
+            return await resp.read()
+        parts: list[bytes] = []
+        size = 0
+        while chunk := await resp.content.readany():
+            size += len(chunk)
+            if size > limit:
+                raise _TooLarge
+            parts.append(chunk)
+        return b"".join(parts)
 
     async def _stream(
         self,
         request: web.Request,
         resp: aiohttp.ClientResponse,
+        first: bytes,
         decision: Decision,
         ep: Endpoint,
         t0: float,
         prefill: PrefillTicket,
-    ) -> tuple[str, web.StreamResponse | str]:
-        """Relay an SSE stream. Nothing is sent to the client until the engine's first body bytes
-        arrive (engines send headers at once), so a failure before that is still retryable: then the
-        result is an error string instead of a response."""
-        try:
-            first = await resp.content.readany()
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
-            return "disconnected", f"disconnected: {ep.url} before the first streamed byte: {exc!r}"
+    ) -> tuple[AttemptResult, Outcome]:
+        """Relay an SSE stream whose first bytes arrived. Nothing was sent to the client before them
+        (engines send headers at once), so a failure until then was still retryable.
+
+        Reading from the engine and writing to the client fail differently: the first is the
+        engine's fault (ejection counts it), the second the client's (it went away)."""
+        if not first:
+            kind = FailureKind.DISCONNECTED
+            return Failed(kind, f"{ep.url} ended the stream before its first byte"), Outcome.of(kind)
         self._prefill_over(prefill, decision, ep)  # the first token is out
         self.metrics.ttft.labels(ep.url).observe(time.perf_counter() - t0)
         out = web.StreamResponse(status=resp.status, headers=_response_headers(resp))
         out.headers.update(self._decision_headers(decision, ep))
         if decision.hashes:
             self.metrics.predicted_cached_tokens.inc(decision.predicted_cached_tokens(ep, self.block_size))
+        idle = self.settings.stream_idle_timeout_seconds
+        chunk = first
         try:
             await out.prepare(request)
-            if first:
-                await out.write(first)
         except ConnectionError:
-            return "client_disconnect", out
-        try:
-            async for chunk in resp.content.iter_any():
-                await out.write(chunk)
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
-            log.warning("stream from %s broke after it started; not replaying: %r", ep.url, exc)
+            return Answered(out), Outcome.CLIENT_DISCONNECT
+        while chunk:
             try:
-                await out.write(_sse_error(f"upstream {ep.url} failed mid-stream: {exc!r}"))
-                await out.write_eof()
-            except (ConnectionError, RuntimeError):
-                pass
-            return "stream_aborted", out
+                await out.write(chunk)
+            except ConnectionError:  # incl. aiohttp's ClientConnectionResetError on a closed client
+                return Answered(out), Outcome.CLIENT_DISCONNECT
+            try:
+                async with asyncio.timeout(idle):
+                    chunk = await resp.content.readany()
+            except TimeoutError:
+                return await self._abort(out, ep, f"no data for {idle:g}s", Outcome.STREAM_IDLE_TIMEOUT)
+            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+                return await self._abort(out, ep, repr(exc), Outcome.STREAM_ABORTED)
+        try:
+            await out.write_eof()
         except ConnectionError:
-            return "client_disconnect", out
-        await out.write_eof()
-        return "stream_ok", out
+            return Answered(out), Outcome.CLIENT_DISCONNECT
+        return Answered(out), Outcome.STREAM_OK
+
+    async def _abort(
+        self, out: web.StreamResponse, ep: Endpoint, why: str, outcome: Outcome
+    ) -> tuple[AttemptResult, Outcome]:
+        log.warning("stream from %s broke after it started (%s); not replaying", ep.url, why)
+        code = "upstream_idle_timeout" if outcome is Outcome.STREAM_IDLE_TIMEOUT else "upstream_failed"
+        try:
+            await out.write(sse_error(f"upstream {ep.url} failed mid-stream: {why}", code))
+            await out.write_eof()
+        except (ConnectionError, RuntimeError):
+            pass
+        return Answered(out), outcome
 
     def _prefill_over(self, prefill: PrefillTicket, decision: Decision, ep: Endpoint) -> None:
         if prefill.done():
@@ -280,21 +395,34 @@ class Proxy:
         return web.json_response({"status": "ok"})
 
     async def ready(self, request: web.Request) -> web.Response:
-        healthy = len(self.router.pool.healthy())
-        body: dict[str, Any] = {"healthy_endpoints": healthy, "endpoints": len(self.router.pool)}
+        eps = self.router.pool.all()
+        ejected = [ep.url for ep in eps if self.outlier.ejected(ep)]
+        healthy = sum(1 for ep in eps if ep.healthy and ep.url not in ejected)
+        body: dict[str, Any] = {"healthy_endpoints": healthy, "endpoints": len(eps), "ejected": ejected}
         if healthy:
             return web.json_response({"status": "ready", **body})
-        return web.json_response(
-            {"status": "not ready", "reason": "no healthy engine endpoint", **body}, status=503
+        reason = (
+            "every engine endpoint is ejected"
+            if eps and len(ejected) == len(eps)
+            else "no healthy engine endpoint"
         )
+        return web.json_response({"status": "not ready", "reason": reason, **body}, status=503)
 
     async def state(self, request: web.Request) -> web.Response:
-        """What the router believes about each endpoint: health, load, indexed blocks (for debugging)."""
+        """What the router believes about each endpoint: health, ejection, load, indexed blocks."""
         router = self.router
         now = time.monotonic()
-        endpoints = {
-            ep.url: {
+        endpoints = {}
+        for ep in router.pool.all():
+            st = self.outlier.state(ep)
+            endpoints[ep.url] = {
                 "healthy": ep.healthy,
+                "ejected": self.outlier.ejected(ep, now),
+                "ejectedForSeconds": round(self.outlier.remaining(ep, now), 3),
+                "ejectionReason": st.reason.value if st.reason else None,
+                "ejections": st.total,
+                "consecutiveFailures": st.consecutive,
+                "probation": st.probation,
                 "inFlight": ep.in_flight,
                 "pendingPrefillTokens": ep.pending_prefill,
                 "recentRequests": round(router.recent_requests(ep, now), 3),
@@ -307,8 +435,6 @@ class Proxy:
                 "kvReplay": ep.spec.kv_replay,
                 **ep.extra,
             }
-            for ep in router.pool.all()
-        }
         # Entries of endpoints no longer in the pool would be a leak; show them if there are any.
         stale = [u for u in router.index.endpoints() if u not in router.pool and router.index.blocks_of(u)]
         body = {
@@ -326,9 +452,9 @@ class Proxy:
 
 
 @web.middleware
-async def openai_errors(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Errors raised outside the handlers' own checks (body too large, bad method, a bug) still reach
-    the client in the OpenAI error shape, never as a traceback or an HTML page."""
+async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Errors raised outside the handlers' own checks (bad method, a bug) still reach the client in
+    the OpenAI error shape, never as a traceback or an HTML page."""
     try:
         return await handler(request)
     except web.HTTPException as exc:
@@ -342,9 +468,14 @@ async def openai_errors(request: web.Request, handler: Any) -> web.StreamRespons
         return json_error(500, "internal router error (logged)", code="router_error")
 
 
+async def _admin_only(request: web.Request) -> web.Response:
+    return json_error(404, "/kvstrata/state is served on the router's admin port", code="admin_only")
+
+
 def build_app(router: Router, session: aiohttp.ClientSession) -> web.Application:
+    """The public app; with ``adminPort`` set, /kvstrata/state lives only on :func:`build_admin_app`."""
     proxy = Proxy(router, session)
-    app = web.Application(client_max_size=64 * 1024**2, middlewares=[openai_errors])
+    app = web.Application(client_max_size=router.settings.max_body_bytes, middlewares=[openai_errors])
     app[ROUTER_KEY] = router
     app[SESSION_KEY] = session
     app.router.add_post("/v1/completions", proxy.completions)
@@ -352,6 +483,19 @@ def build_app(router: Router, session: aiohttp.ClientSession) -> web.Application
     app.router.add_get("/health", proxy.health)
     app.router.add_get("/ready", proxy.ready)
     app.router.add_get("/metrics", proxy.metrics_handler)
-    app.router.add_get("/kvstrata/state", proxy.state)
+    if router.settings.admin_port is None:
+        app.router.add_get("/kvstrata/state", proxy.state)
+    else:  # answered here, not forwarded to an engine by the catch-all below
+        app.router.add_get("/kvstrata/state", _admin_only)
     app.router.add_route("*", "/{tail:.*}", proxy.passthrough)
+    return app
+
+
+def build_admin_app(router: Router, session: aiohttp.ClientSession) -> web.Application:
+    proxy = Proxy(router, session)
+    app = web.Application(middlewares=[openai_errors])
+    app.router.add_get("/health", proxy.health)
+    app.router.add_get("/ready", proxy.ready)
+    app.router.add_get("/metrics", proxy.metrics_handler)
+    app.router.add_get("/kvstrata/state", proxy.state)
     return app

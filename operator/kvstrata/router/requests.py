@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from kvstrata.router.errors import error_body
+
 Kind = Literal["completion", "chat"]
 _decoder = msgspec.json.Decoder()
 
@@ -26,8 +28,7 @@ class BadRequest(Exception):
         self.code = code
 
     def body(self) -> dict[str, Any]:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+        return error_body(self.status, self.message, code=self.code, param=self.param)
 
 
 @dataclass(slots=True)
@@ -40,6 +41,9 @@ class ParsedRequest:
     text: str | None = None
     token_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
+    # Prompt characters (all prompts of a batch, all message texts; 4 per token id): picks the
+    # tokenizer pool and enforces maxPromptChars.
+    size: int = 0
 
     def routing_text(self) -> str:
         """The prompt as plain text, for the character-block fallback and the prefix-hash policy."""
@@ -96,13 +100,44 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return msgs
 
 
-def parse_request(raw: bytes, kind: Kind, served_model: str) -> ParsedRequest:
+def _prompt_size(p: Any) -> int:
+    if isinstance(p, str):
+        return len(p)
+    if isinstance(p, int):
+        return 4
+    if isinstance(p, list):
+        return sum(_prompt_size(x) for x in p)
+    return 0
+
+
+def _messages_size(msgs: list[dict[str, Any]]) -> int:
+    n = 0
+    for m in msgs:
+        content = m.get("content")
+        if isinstance(content, str):
+            n += len(content)
+        elif isinstance(content, list):
+            n += sum(
+                len(t)
+                for part in content
+                if isinstance(part, dict) and isinstance(t := part.get("text"), str)
+            )
+    return n
+
+
+def parse_request(
+    raw: bytes, kind: Kind, served_model: str, max_prompt_chars: int | None = None
+) -> ParsedRequest:
     if not raw:
         raise BadRequest("request body is empty; expected a JSON object")
     try:
         body = _decoder.decode(raw)
     except msgspec.DecodeError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+        raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"request body is not valid UTF-8: {exc}", code="invalid_utf8") from None
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply", code="json_too_deep") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     model = body.get("model")
@@ -124,5 +159,17 @@ def parse_request(raw: bytes, kind: Kind, served_model: str) -> ParsedRequest:
         raise BadRequest("'stream' must be a boolean", param="stream")
     if kind == "completion":
         text, ids = _prompt(body)
-        return ParsedRequest(kind, body, model, stream, text=text, token_ids=ids)
-    return ParsedRequest(kind, body, model, stream, messages=_messages(body))
+        out = ParsedRequest(
+            kind, body, model, stream, text=text, token_ids=ids, size=_prompt_size(body["prompt"])
+        )
+    else:
+        msgs = _messages(body)
+        out = ParsedRequest(kind, body, model, stream, messages=msgs, size=_messages_size(msgs))
+    if max_prompt_chars is not None and out.size > max_prompt_chars:
+        raise BadRequest(
+            f"the prompt has {out.size} characters; this router accepts at most {max_prompt_chars}",
+            status=413,
+            param="messages" if kind == "chat" else "prompt",
+            code="prompt_too_large",
+        )
+    return out

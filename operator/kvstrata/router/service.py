@@ -27,11 +27,12 @@ from kvstrata.router.discovery import (
     load_api_access,
     static_specs,
 )
+from kvstrata.router.httplog import MalformedHttpFilter
 from kvstrata.router.loadscrape import LoadScraper
 from kvstrata.router.metrics import RouterMetrics
-from kvstrata.router.pool import Endpoint
+from kvstrata.router.pool import Endpoint, EndpointSpec
 from kvstrata.router.prompts import LocalTokenizer
-from kvstrata.router.proxy import build_app
+from kvstrata.router.proxy import build_admin_app, build_app
 from kvstrata.router.subscriber import KvEventSubscriber
 
 log = logging.getLogger("kvstrata.router")
@@ -53,6 +54,8 @@ class RouterService:
         self.watcher: EndpointSliceWatcher | None = None
         self.app: web.Application | None = None
         self._runner: web.AppRunner | None = None
+        self._admin_runner: web.AppRunner | None = None
+        self._http_filter = MalformedHttpFilter(self.metrics.malformed_http)
         self._stopping: list[asyncio.Task[None]] = []
 
     async def __aenter__(self) -> Self:
@@ -78,14 +81,21 @@ class RouterService:
         self.router = Router(s, self.metrics, self.session, tokenizer=self._tokenizer)
         self._zmq = zmq.asyncio.Context()
         self.router.pool.subscribe(self._on_add, self._on_remove)
-        self.scraper = LoadScraper(self.router.pool, self.session, interval=s.scrape_interval_seconds)
+        self.scraper = LoadScraper(
+            self.router.pool,
+            self.session,
+            interval=s.scrape_interval_seconds,
+            timeout=s.scrape_timeout_seconds,
+            outlier=self.router.outlier,
+            fail_after=s.ejection_consecutive_failures,
+        )
         self.scraper.on_down = self.router.mark_down
         disc = s.discovery
         if disc.service:
             namespace = (
                 disc.namespace or os.environ.get("POD_NAMESPACE") or in_cluster_namespace() or "default"
             )
-            self.watcher = EndpointSliceWatcher(disc, namespace, load_api_access(), self.router.pool.replace)
+            self.watcher = EndpointSliceWatcher(disc, namespace, load_api_access(), self._replace)
             self.watcher.start()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.watcher.synced.wait(), timeout=10)
@@ -115,8 +125,15 @@ class RouterService:
         else:
             log.info("KV index synced from %d engines in %.2fs", len(pending), time.monotonic() - began)
 
+    def _replace(self, specs: list[EndpointSpec]) -> None:
+        assert self.router is not None
+        self.router.pool.replace(specs)
+
     def _on_add(self, ep: Endpoint) -> None:
         log.info("endpoint added: %s (events %s, replay %s)", ep.url, ep.spec.kv_events, ep.spec.kv_replay)
+        if self.router is not None:
+            outlier = self.router.outlier
+            self.metrics.track_endpoint(ep, lambda: float(outlier.ejected(ep)))
         if ep.spec.kv_events and self.router is not None and self._zmq is not None:
             sub = KvEventSubscriber(
                 ep, self.router.index, self.metrics, self._zmq, topic=self.settings.kv_events_topic
@@ -126,6 +143,7 @@ class RouterService:
 
     def _on_remove(self, ep: Endpoint) -> None:
         log.info("endpoint removed: %s", ep.url)
+        self.metrics.forget_endpoint(ep.url)
         sub = self.subscribers.pop(ep.url, None)
         if sub is not None:
             self._stopping.append(asyncio.create_task(sub.stop()))
@@ -134,15 +152,37 @@ class RouterService:
         assert self.app is not None
         # handler_cancellation: a client that goes away cancels its handler, which closes the upstream
         # request so the engine stops generating for nobody.
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        # keepalive_timeout is also how long a new connection may take to send a complete request
+        # head (aiohttp arms it at connect and closes a connection still waiting for one): the
+        # header read timeout. Bodies stay raw (auto_decompress=False): router/bodies.py inflates
+        # them off the event loop, bounded.
+        s = self.settings
+        self._runner = web.AppRunner(
+            self.app,
+            handler_cancellation=True,
+            access_log=None,
+            keepalive_timeout=s.header_read_timeout_seconds,
+            auto_decompress=False,
+            logger=self._http_filter.logger(),
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port, backlog=4096)
         await site.start()
+        if s.admin_port is not None and self.router is not None and self.session is not None:
+            self._admin_runner = web.AppRunner(
+                build_admin_app(self.router, self.session),
+                access_log=None,
+                keepalive_timeout=s.header_read_timeout_seconds,
+            )
+            await self._admin_runner.setup()
+            await web.TCPSite(self._admin_runner, host, s.admin_port).start()
         return self._runner
 
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+        if self._admin_runner is not None:
+            await self._admin_runner.cleanup()
         if self.watcher is not None:
             await self.watcher.stop()
         if self.scraper is not None:

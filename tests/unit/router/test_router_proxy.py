@@ -425,4 +425,4 @@ async def test_oversized_body_gets_an_openai_error(
     h = await make_router([ok.url])
     status, headers, raw = await h.post("/v1/completions", b"x" * (64 * 1024**2 + 1))
     assert status == 413 and headers["Content-Type"].startswith("application/json")
-    assert json.loads(raw)["error"]["code"] == "http_413"
+    assert json.loads(raw)["error"]["code"] == "body_too_large"
