@@ -42,7 +42,8 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-logger = init_logger(__name__)
+# Under vLLM's logger tree, so these lines get its format and level like the rest of the engine log.
+logger = init_logger(f"vllm.{__name__}")
 
 SHM_REGION_GLOB = "/dev/shm/vllm_offload_*.mmap"
 SPEC_NAME = "CpuTieringOffloadingSpec"
