@@ -32,6 +32,13 @@ def test_temp_files_and_config_count_but_are_never_evicted() -> None:
     assert [v.path for v in d.victims] == ["blk"] and d.after_bytes == 80
 
 
+def test_the_marks_leave_room_for_the_largest_burst_between_passes() -> None:
+    files = [f(str(i), 10, i) for i in range(8)]  # 80 bytes: under the 85-byte mark
+    assert choose_victims(files, budget_bytes=100).victims == ()
+    d = choose_victims(files, budget_bytes=100, reserve_bytes=25)  # mark 75, target 50
+    assert [v.path for v in d.victims] == ["0", "1", "2"] and d.after_bytes == 50
+
+
 def test_bad_marks_are_refused() -> None:
     with pytest.raises(ValueError):
         choose_victims([], budget_bytes=1, high=0.5, low=0.9)

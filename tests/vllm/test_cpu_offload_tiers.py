@@ -20,6 +20,8 @@ import msgspec
 import pytest
 import zmq
 
+from kvstrata.controller.hitrate import HitRates
+from kvstrata.controller.promtext import parse_engine
 from kvstrata_dev.testing.engines import KV_EVENTS_TOPIC, VllmEngine, free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -135,6 +137,12 @@ def test_blocks_come_back_from_cpu_then_disk(tiered: tuple[VllmEngine, Path]) ->
         disk1 = by_source(eng.metrics(), "disk")
         assert disk1 - disk0 >= 512, f"prompt 1 did not come back from the fs tier: {disk0} -> {disk1}"
         assert any(root.rglob("*.bin")), "the fs tier wrote no block files"
+        # The operator's status reads the same counters: its cpu/nvme tier hits are the engine's.
+        final = eng.metrics()
+        counters = parse_engine(final).counters
+        assert (counters.cpu_hits, counters.nvme_hits) == (by_source(final, "host"), by_source(final, "disk"))
+        rates = HitRates.of(counters).tier_hit_rates
+        assert (rates["cpu"] or 0) > 0 and (rates["nvme"] or 0) > 0, rates
         events.drain()
         stored = {medium for (kind, medium), n in events.seen.items() if kind == "BlockStored" and n}
         assert {"GPU", "CPU", "STORAGE"} <= stored, events.seen

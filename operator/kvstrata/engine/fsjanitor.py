@@ -17,7 +17,8 @@ fails to open, and vLLM marks those keys a miss and recomputes them (tiering/fs/
 
 A full PVC does not crash the engine either: a store that hits ENOSPC raises in vLLM's I/O thread, the
 job is reported failed and logged ("block I/O failed"), the temp file is removed, and the CPU tier
-keeps the block. The budget (the planner's 90% of the PVC) leaves room for the writes between scans.
+keeps the block. The budget (the planner's 90% of the PVC) leaves room beyond it; under the budget, the
+eviction marks keep room for the largest burst seen between two passes (see `choose_victims`).
 """
 
 from __future__ import annotations
@@ -55,17 +56,26 @@ class Eviction:
 
 
 def choose_victims(
-    files: Iterable[KvFile], budget_bytes: int, high: float = HIGH_WATER, low: float = LOW_WATER
+    files: Iterable[KvFile],
+    budget_bytes: int,
+    high: float = HIGH_WATER,
+    low: float = LOW_WATER,
+    reserve_bytes: int = 0,
 ) -> Eviction:
-    """The least recently used block files to remove so that usage falls to `low` x budget, when it is
-    above `high` x budget; nothing otherwise. Pure: no I/O."""
+    """The least recently used block files to remove so that usage falls to the low mark, when it is
+    above the high mark; nothing otherwise. Pure: no I/O.
+
+    The marks are `high`/`low` x budget, lowered so that `reserve_bytes` (the most the tier grew between
+    two passes) still fits under the budget before the next pass: the directory stays under the budget
+    as long as no pass-to-pass burst exceeds the largest one seen."""
     if not 0 < low <= high <= 1:
         raise ValueError(f"need 0 < low <= high <= 1, got low={low} high={high}")
     all_files = list(files)
     used = sum(f.size for f in all_files)
-    if used <= budget_bytes * high:
+    trigger = min(budget_bytes * high, budget_bytes - reserve_bytes)
+    if used <= trigger:
         return Eviction((), used, used)
-    target = budget_bytes * low
+    target = max(0.0, min(budget_bytes * low, budget_bytes - 2 * reserve_bytes))
     victims: list[KvFile] = []
     after = used
     for f in sorted((f for f in all_files if f.evictable), key=lambda f: (f.last_used, f.path)):
@@ -122,9 +132,15 @@ def run(
     budget_g.set(budget_bytes)
     if metrics_port is not None:
         start_http_server(metrics_port)
+    last_after = 0
+    reserve = 0
     while True:
-        decision = choose_victims(scan(root), budget_bytes)
+        files = list(scan(root))
+        # Growth since the last pass: how much the engine can write between two passes.
+        reserve = max(reserve, sum(f.size for f in files) - last_after)
+        decision = choose_victims(files, budget_bytes, reserve_bytes=reserve)
         removed = evict(decision.victims)
+        last_after = decision.used_bytes - removed
         evicted_bytes.inc(removed)
         evicted_files.inc(len(decision.victims))
         used_g.set(decision.used_bytes - removed)
