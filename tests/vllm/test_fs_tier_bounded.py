@@ -1,15 +1,16 @@
 """The fs (NVMe) KV tier under its budget, on a real CPU engine: kvstrata's janitor keeps the directory
 under the byte budget while the workload writes several budgets' worth; with the janitor stopped the
-filesystem fills up (ENOSPC) and the engine keeps serving.
+filesystem fills up, vLLM's stores fail, and the engine keeps serving.
 
 The fs root is a small tmpfs mounted for the test (needs root, as on these machines), standing in for
-the PVC: its size is the PVC's, so "full" is real ENOSPC from the kernel.
+the PVC: its size is the PVC's, so "full" is a real full filesystem.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -108,5 +109,7 @@ def test_janitor_keeps_the_budget_then_a_full_pvc_does_not_crash_the_engine(
         assert out["usage"]["prompt_tokens"] >= 512
     time.sleep(2)
     assert eng.running()
-    assert "No space left on device" in eng.log_text()
+    # vLLM logs each failed store ("block I/O failed"; seen as EIO from its C I/O path on a full tmpfs).
+    assert shutil.disk_usage(pvc).free < 4 << 20, "the PVC never filled up"
+    assert "block I/O failed" in eng.log_text()
     assert eng.complete(prompt(100), max_tokens=1)["choices"]
