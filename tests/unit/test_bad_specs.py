@@ -47,16 +47,10 @@ CASES = [
     ),
     ("cpu-block-size", TINY, {"spec.kvCache.blockSize": 16}, ["spec.kvCache.blockSize", "multiple of 32"]),
     (
-        "cpu-offload",
+        "cpu-lmcache",
         TINY,
-        {"spec.kvCache.tiers.cpu": {"size": "8Gi"}},
-        ["spec.kvCache.tiers.cpu", "device gpu"],
-    ),
-    (
-        "cpu-nvme",
-        TINY,
-        {"spec.kvCache.tiers.nvme": {"size": "8Gi"}},
-        ["spec.kvCache.tiers.nvme", "device gpu"],
+        {"spec.kvCache.tiers.cpu": {"size": "8Gi"}, "spec.kvCache.offload": {"backend": "lmcache"}},
+        ["spec.kvCache.offload.backend", "set backend native"],
     ),
     (
         "cpu-kv-not-whole-gib",

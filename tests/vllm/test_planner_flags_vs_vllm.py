@@ -95,17 +95,24 @@ def gpu_matrix() -> dict[str, dict[str, Any]]:
 def cpu_matrix() -> dict[str, dict[str, Any]]:
     base = example_manifests()["tiny-cpu.yaml#0"]
     out = {}
-    for kv_dtype, block, blocks, extra in itertools.product(
-        ("auto", "bfloat16"), (32, 128), (None, 64), ([], ["--enforce-eager"])
+    cpu_tiers: dict[str, dict[str, Any]] = {
+        "": {},
+        "-cpu": {"cpu": {"size": "64Mi"}},
+        "-nvme": {"nvme": {"size": "1Gi"}},
+        "-cpu+nvme": {"cpu": {"size": "64Mi"}, "nvme": {"size": "1Gi"}},
+    }
+    for kv_dtype, block, blocks, extra, tiers in itertools.product(
+        ("auto", "bfloat16"), (32, 128), (None, 64), ([], ["--enforce-eager"]), cpu_tiers
     ):
         doc = copy.deepcopy(base)
         doc["spec"]["kvCache"]["dtype"] = kv_dtype
         doc["spec"]["kvCache"]["blockSize"] = block
         doc["spec"]["kvCache"]["tiers"] = {
-            "gpu": {"size": "2Gi", **({"numBlocks": blocks} if blocks else {})}
+            "gpu": {"size": "2Gi", **({"numBlocks": blocks} if blocks else {})},
+            **cpu_tiers[tiers],
         }
         doc["spec"]["engine"]["extraArgs"] = extra
-        out[f"cpu-{kv_dtype}-b{block}-n{blocks}-extra{len(extra)}"] = doc
+        out[f"cpu-{kv_dtype}-b{block}-n{blocks}-extra{len(extra)}{tiers}"] = doc
     return out
 
 
@@ -139,6 +146,7 @@ def test_matrix_renders_every_kind_of_flag_set() -> None:
         "--kv-offloading-backend native",
         "--kv-offloading-backend lmcache",
         "TieringOffloadingSpec",
+        "CpuTieringOffloadingSpec",
         "--tensor-parallel-size 8",
         "--kv-cache-dtype fp8",
         "--no-enable-prefix-caching",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvstrata.api.models import InferenceClusterSpec
 from kvstrata.api.quantity import GIB, quantity_bytes, quantity_units
@@ -18,6 +18,11 @@ from kvstrata.planner.constants import (
 )
 
 DEFAULT_CPU_KV_SPACE = 4 * GIB
+# The CPU-platform offloading spec (kvstrata.engine.cpu_offload), importable by vLLM from the engine
+# image's ENGINE_PYTHONPATH (images/engine/Dockerfile copies kvstrata's engine package there).
+CPU_SPEC_NAME = "CpuTieringOffloadingSpec"
+CPU_SPEC_MODULE = "kvstrata.engine.cpu_offload"
+ENGINE_PYTHONPATH = "/opt/kvstrata"
 
 if TYPE_CHECKING:
     from kvstrata.planner.plan import Plan
@@ -52,19 +57,32 @@ def _offload_args(spec: InferenceClusterSpec, plan: Plan) -> list[str]:
         # vLLM connects to the LMCache server sidecar, which owns the capacity; the size only switches
         # offloading on and is not passed to LMCache (FACTS.md).
         return ["--kv-offloading-backend", "lmcache", "--kv-offloading-size", f"{max(cpu_bytes / GIB, 1):g}"]
-    if kv.tiers.nvme is None:
+    cpu_device = spec.engine.device == "cpu"
+    if kv.tiers.nvme is None and not cpu_device:
         return ["--kv-offloading-backend", "native", "--kv-offloading-size", f"{cpu_bytes / GIB:g}"]
-    # Native tiering: CPU tier plus an fs secondary tier on the PVC (v1/kv_offload/tiering).
+    # Native tiering: CPU tier plus an fs secondary tier on the PVC (v1/kv_offload/tiering). On device cpu
+    # vLLM's own specs refuse to build their copy worker; kvstrata's spec subclass supplies one.
+    extra: dict[str, Any] = {"cpu_bytes_to_use": cpu_bytes or GIB}
+    if cpu_device:
+        extra |= {"spec_name": CPU_SPEC_NAME, "spec_module_path": CPU_SPEC_MODULE}
+    else:
+        extra["spec_name"] = "TieringOffloadingSpec"
+    if kv.tiers.nvme is not None:
+        threads = 4 if cpu_device else 16
+        # enable_kv_events: the fs tier announces its blocks (medium STORAGE) only when asked (default False).
+        extra["secondary_tiers"] = [
+            {
+                "type": "fs",
+                "root_dir": NVME_MOUNT,
+                "n_read_threads": threads,
+                "n_write_threads": threads,
+                "enable_kv_events": True,
+            }
+        ]
     transfer = {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "cpu_bytes_to_use": cpu_bytes or GIB,
-            "spec_name": "TieringOffloadingSpec",
-            "secondary_tiers": [
-                {"type": "fs", "root_dir": NVME_MOUNT, "n_read_threads": 16, "n_write_threads": 16}
-            ],
-        },
+        "kv_connector_extra_config": extra,
     }
     return ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
 
@@ -140,6 +158,8 @@ def engine_env(spec: InferenceClusterSpec, plan: Plan) -> dict[str, str]:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kv_space_bytes(spec) // GIB)
         cpus = engine_cpus("cpu", spec.engine.tensor_parallel_size, spec.engine.resources.cpu)
         env.update(unpinned_omp_env(quantity_units(cpus)))  # engine.env below overrides both
+        if plan.offload_backend == "native":
+            env["PYTHONPATH"] = ENGINE_PYTHONPATH
     for var in spec.engine.env:
         env[var.name] = var.value
     return env

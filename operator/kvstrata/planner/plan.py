@@ -172,15 +172,16 @@ def _structural_problems(spec: InferenceClusterSpec, arch: Architecture) -> list
                     ),
                 )
             )
-        for name in ("cpu", "nvme"):
-            if getattr(kv.tiers, name) is not None:
-                out.append(
-                    Problem(
-                        f"spec.kvCache.tiers.{name}",
-                        "device cpu cannot offload KV (vLLM 0.32: offloading is only supported on CUDA/XPU GPUs)",
-                        (f"remove spec.kvCache.tiers.{name}", "use device gpu"),
-                    )
+        # Offload tiers on device cpu run vLLM's native tiering with kvstrata's host-copy worker
+        # (kvstrata.engine.cpu_offload); LMCache ships CUDA ops only.
+        if kv.offload.backend == "lmcache" and (kv.tiers.cpu or kv.tiers.nvme):
+            out.append(
+                Problem(
+                    "spec.kvCache.offload.backend",
+                    "lmcache needs CUDA (its 0.5.6 wheel ships CUDA ops); device cpu offloads with vLLM's native tiering",
+                    ("set backend native", "set backend auto"),
                 )
+            )
         if kv.tiers.gpu.size is not None and quantity_bytes(kv.tiers.gpu.size) % GIB:
             out.append(
                 Problem(
@@ -261,7 +262,13 @@ def _offload(spec: InferenceClusterSpec, plan: Plan, per_token_all_ranks: int) -
         return
     backend = kv.offload.backend
     if backend == "auto":
-        if kv.tiers.nvme is not None:
+        if spec.engine.device == "cpu":
+            backend = "native"
+            plan.offload_reason = (
+                "auto: device cpu, so vLLM's native tiering (CPU tier, fs tier on the PVC) with kvstrata's "
+                "CPU-platform copy worker; the fs tier is bounded by the kvstrata janitor sidecar"
+            )
+        elif kv.tiers.nvme is not None:
             backend = "lmcache"
             plan.offload_reason = (
                 "auto: nvme tier present, so LMCache server sidecar (bounded CPU tier with LRU eviction and a "
@@ -290,11 +297,18 @@ def _offload(spec: InferenceClusterSpec, plan: Plan, per_token_all_ranks: int) -
         plan.pvc_bytes = pvc
         usable = int(pvc * NVME_USABLE_SHARE)
         plan.tiers.append(_tier("nvme", usable, per_token_all_ranks, block))
-        if backend == "native":
+        if backend == "native" and spec.engine.device == "gpu":
             plan.warnings.append(
                 "spec.kvCache.offload.backend native: vLLM's fs tier does not bound or evict its directory; "
                 "writes fail once the PVC is full. Prefer backend auto/lmcache for an NVMe tier"
             )
+
+
+def native_cpu_tier_bytes(spec: InferenceClusterSpec) -> int:
+    """The CPU tier vLLM's native tiering allocates: the spec's, or a 1 GiB staging tier when only an NVMe
+    tier is asked for (the CPU tier is the only path between the engine pool and the fs tier)."""
+    cpu = spec.kv_cache.tiers.cpu
+    return quantity_bytes(cpu.size) if cpu else GIB
 
 
 def _plan_memory(spec: InferenceClusterSpec, plan: Plan, pool_bytes: int) -> None:
@@ -304,6 +318,12 @@ def _plan_memory(spec: InferenceClusterSpec, plan: Plan, pool_bytes: int) -> Non
         weights = math.ceil(plan.architecture.params_billions * 1e9 * 2) if plan.architecture else 0
         plan.memory_bytes = weights + pool_bytes + 4 * GIB
         plan.shm_bytes = 1 * GIB
+        if plan.offload_backend == "native":
+            # The CPU tier is one /dev/shm region (scheduler and worker map the same file), charged to
+            # the pod's memory; sized like the GPU path's native offload.
+            host = native_cpu_tier_bytes(spec)
+            plan.shm_bytes += int(host * NATIVE_OFFLOAD_SHM_FACTOR)
+            plan.memory_bytes += int(host * NATIVE_OFFLOAD_SHM_FACTOR)
         return
     plan.gpus = eng.tensor_parallel_size
     plan.shm_bytes = 2 * GIB if eng.tensor_parallel_size > 1 else 1 * GIB

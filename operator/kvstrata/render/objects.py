@@ -30,12 +30,15 @@ from kvstrata.planner.constants import (
     NVME_MOUNT,
     engine_cpus,
 )
+from kvstrata.planner.flags import ENGINE_PYTHONPATH
 from kvstrata.planner.plan import Plan
 
 FLAGS_DIGEST_ANNOTATION = "kvstrata.io/flags-digest"
 CONFIG_DIGEST_ANNOTATION = "kvstrata.io/config-digest"
 ENGINE_CONTAINER = "vllm"
 LMCACHE_CONTAINER = "lmcache"
+JANITOR_CONTAINER = "fs-janitor"
+JANITOR_METRICS_PORT = 9402
 ROUTER_CONTAINER = "router"
 ENGINE_COMMAND = ["python3", "-m", "vllm.entrypoints.openai.api_server"]
 ROUTER_CONFIG_DIR = "/etc/kvstrata"
@@ -176,6 +179,32 @@ def _lmcache_container(spec: InferenceClusterSpec, plan: Plan) -> Obj:
     return container
 
 
+def _janitor_container(spec: InferenceClusterSpec, plan: Plan) -> Obj:
+    """Keeps vLLM's fs tier under the plan's NVMe budget (vLLM neither bounds nor evicts it):
+    kvstrata.engine.fsjanitor, a native sidecar so it runs for as long as the pod, engine restarts too."""
+    nvme = plan.tier("nvme")
+    assert nvme is not None
+    return {
+        "name": JANITOR_CONTAINER,
+        "image": spec.engine.image,
+        "command": ["python3", "-m", "kvstrata.engine.fsjanitor"],
+        "args": [
+            "--root",
+            NVME_MOUNT,
+            "--budget-bytes",
+            str(nvme.bytes),
+            "--metrics-port",
+            str(JANITOR_METRICS_PORT),
+        ],
+        "env": [{"name": "PYTHONPATH", "value": ENGINE_PYTHONPATH}],
+        "restartPolicy": "Always",
+        "ports": [{"name": "fs-janitor", "containerPort": JANITOR_METRICS_PORT}],
+        "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "256Mi"}},
+        "securityContext": _security_context(),
+        "volumeMounts": [{"name": "kv-cache", "mountPath": NVME_MOUNT}],
+    }
+
+
 def engine_statefulset(
     name: str, namespace: str, spec: InferenceClusterSpec, plan: Plan, uid: str | None
 ) -> Obj:
@@ -231,6 +260,8 @@ def engine_statefulset(
         pod_spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     if plan.lmcache is not None:
         pod_spec["initContainers"] = [_lmcache_container(spec, plan)]
+    elif kv.tiers.nvme is not None and plan.offload_backend == "native":
+        pod_spec["initContainers"] = [_janitor_container(spec, plan)]
     sts_spec: Obj = {
         "replicas": spec.replicas,
         "serviceName": engine_name(name),

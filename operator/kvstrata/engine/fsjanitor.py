@@ -1,0 +1,165 @@
+"""Keeps vLLM's fs KV tier (the NVMe PVC) under its byte budget: vLLM neither bounds nor evicts it.
+
+Runs as a sidecar in the engine pod (`python -m kvstrata.engine.fsjanitor --root /kv-cache ...`), not as
+a thread in the engine: walking a directory of many files every second would take the GIL from vLLM's
+scheduler process, and a sidecar keeps the bound while the engine restarts (the PVC outlives it).
+
+Eviction is least recently used by `max(atime, mtime)` of each block file: exact on `strictatime`
+mounts; under the usual `relatime` the first read after a write counts; under `noatime` it is oldest
+written first. Only finished block files (`*.bin`) are evicted; vLLM's in-flight temp files and its
+run config count towards the bytes but are never removed.
+
+Safe against a file being read: vLLM's fs tier opens a block by path, reads it, closes it. Unlinking
+an open file on Linux leaves the reader's descriptor valid, so a read in progress completes; a lookup
+after the unlink sees no file (`os.path.exists`) and is a miss; a load scheduled on an earlier lookup
+fails to open, and vLLM marks those keys a miss and recomputes them (tiering/fs/manager.py
+`get_finished_jobs`, tiering/manager.py `_complete_promotion`) — never an engine error.
+
+A full PVC does not crash the engine either: a store that hits ENOSPC raises in vLLM's I/O thread, the
+job is reported failed and logged ("block I/O failed"), the temp file is removed, and the CPU tier
+keeps the block. The budget (the planner's 90% of the PVC) leaves room beyond it; under the budget, the
+eviction marks keep room for the largest burst seen between two passes (see `choose_victims`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+BLOCK_SUFFIX = ".bin"
+# Start evicting above this share of the budget, stop below LOW_WATER: the gap absorbs the blocks
+# written between two scans, so the directory stays under the budget itself.
+HIGH_WATER = 0.85
+LOW_WATER = 0.70
+
+
+@dataclass(frozen=True)
+class KvFile:
+    path: str
+    size: int
+    last_used: float
+    evictable: bool
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """What one pass decided: the files to remove and the directory's bytes before and after."""
+
+    victims: tuple[KvFile, ...]
+    used_bytes: int
+    after_bytes: int
+
+
+def choose_victims(
+    files: Iterable[KvFile],
+    budget_bytes: int,
+    high: float = HIGH_WATER,
+    low: float = LOW_WATER,
+    reserve_bytes: int = 0,
+) -> Eviction:
+    """The least recently used block files to remove so that usage falls to the low mark, when it is
+    above the high mark; nothing otherwise. Pure: no I/O.
+
+    The marks are `high`/`low` x budget, lowered so that `reserve_bytes` (the most the tier grew between
+    two passes) still fits under the budget before the next pass: the directory stays under the budget
+    as long as no pass-to-pass burst exceeds the largest one seen."""
+    if not 0 < low <= high <= 1:
+        raise ValueError(f"need 0 < low <= high <= 1, got low={low} high={high}")
+    all_files = list(files)
+    used = sum(f.size for f in all_files)
+    trigger = min(budget_bytes * high, budget_bytes - reserve_bytes)
+    if used <= trigger:
+        return Eviction((), used, used)
+    target = max(0.0, min(budget_bytes * low, budget_bytes - 2 * reserve_bytes))
+    victims: list[KvFile] = []
+    after = used
+    for f in sorted((f for f in all_files if f.evictable), key=lambda f: (f.last_used, f.path)):
+        if after <= target:
+            break
+        victims.append(f)
+        after -= f.size
+    return Eviction(tuple(victims), used, after)
+
+
+def scan(root: Path) -> Iterator[KvFile]:
+    """Every regular file under root; files that vanish mid-scan (vLLM's temp renames) are skipped."""
+    stack = [str(root)]
+    while stack:
+        try:
+            entries = list(os.scandir(stack.pop()))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for entry in entries:
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+                elif entry.is_file(follow_symlinks=False):
+                    st = entry.stat(follow_symlinks=False)
+                    yield KvFile(
+                        entry.path,
+                        st.st_size,
+                        max(st.st_atime, st.st_mtime),
+                        entry.name.endswith(BLOCK_SUFFIX),
+                    )
+            except FileNotFoundError:
+                continue
+
+
+def evict(victims: Iterable[KvFile]) -> int:
+    """Unlink the victims; returns the bytes actually removed (a file already gone removes nothing)."""
+    removed = 0
+    for f in victims:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f.path)
+            removed += f.size
+    return removed
+
+
+def run(
+    root: Path, budget_bytes: int, interval_s: float, metrics_port: int | None
+) -> None:  # pragma: no cover
+    from prometheus_client import Counter, Gauge, start_http_server
+
+    used_g = Gauge("kvstrata_fs_tier_used_bytes", "Bytes in the fs KV tier directory after the last pass")
+    budget_g = Gauge("kvstrata_fs_tier_budget_bytes", "Byte budget of the fs KV tier")
+    evicted_bytes = Counter("kvstrata_fs_tier_evicted_bytes", "Bytes of KV block files evicted")
+    evicted_files = Counter("kvstrata_fs_tier_evicted_files", "KV block files evicted")
+    budget_g.set(budget_bytes)
+    if metrics_port is not None:
+        start_http_server(metrics_port)
+    last_after = 0
+    reserve = 0
+    while True:
+        files = list(scan(root))
+        # Growth since the last pass: how much the engine can write between two passes.
+        reserve = max(reserve, sum(f.size for f in files) - last_after)
+        decision = choose_victims(files, budget_bytes, reserve_bytes=reserve)
+        removed = evict(decision.victims)
+        last_after = decision.used_bytes - removed
+        evicted_bytes.inc(removed)
+        evicted_files.inc(len(decision.victims))
+        used_g.set(decision.used_bytes - removed)
+        time.sleep(interval_s)
+
+
+def main(argv: list[str] | None = None) -> None:  # pragma: no cover
+    p = argparse.ArgumentParser(
+        prog="python -m kvstrata.engine.fsjanitor", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("--root", type=Path, required=True, help="the fs tier's root_dir")
+    p.add_argument("--budget-bytes", type=int, required=True)
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between passes")
+    p.add_argument("--metrics-port", type=int, default=None)
+    args = p.parse_args(argv)
+    if args.budget_bytes <= 0:
+        p.error("--budget-bytes must be positive")
+    run(args.root, args.budget_bytes, args.interval, args.metrics_port)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

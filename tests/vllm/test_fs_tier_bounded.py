@@ -1,0 +1,115 @@
+"""The fs (NVMe) KV tier under its budget, on a real CPU engine: kvstrata's janitor keeps the directory
+under the byte budget while the workload writes several budgets' worth; with the janitor stopped the
+filesystem fills up, vLLM's stores fail, and the engine keeps serving.
+
+The fs root is a small tmpfs mounted for the test (needs root, as on these machines), standing in for
+the PVC: its size is the PVC's, so "full" is a real full filesystem.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from test_cpu_offload_tiers import REPO, prompt, tiered_engine
+
+from kvstrata.engine.fsjanitor import scan
+from kvstrata_dev.testing.engines import VllmEngine, free_port
+
+PVC_BYTES = 40 << 20
+BUDGET = 24 << 20
+
+
+@pytest.fixture(scope="module")
+def pvc() -> Iterator[Path]:
+    root = Path(tempfile.mkdtemp(prefix="kvs-pvc-"))
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={PVC_BYTES}", "tmpfs", str(root)], check=True)
+    try:
+        yield root
+    finally:
+        subprocess.run(["umount", "-l", str(root)], check=False)
+        root.rmdir()
+
+
+@pytest.fixture(scope="module")
+def engine_on_pvc(
+    pvc: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmEngine]:
+    eng = tiered_engine(tiny_model, tmp_path_factory.mktemp("fsbound"), pvc, "engine.log")
+    with eng:
+        eng.wait_ready(timeout=600)
+        yield eng
+
+
+def metric(text: str, name: str) -> float:
+    m = re.search(rf"^{name} (\S+)$", text, re.M)
+    assert m, name
+    return float(m.group(1))
+
+
+class Sampler(threading.Thread):
+    """Bytes in the directory, every 50 ms, while the workload runs."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(daemon=True)
+        self.root, self.samples, self.stop = root, [0], threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            self.samples.append(sum(f.size for f in scan(self.root)))
+            time.sleep(0.05)
+
+
+def test_janitor_keeps_the_budget_then_a_full_pvc_does_not_crash_the_engine(
+    engine_on_pvc: VllmEngine, pvc: Path, tmp_path: Path
+) -> None:
+    eng = engine_on_pvc
+    port = free_port()
+    janitor = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "kvstrata.engine.fsjanitor", "--root", str(pvc)),
+            *("--budget-bytes", str(BUDGET), "--interval", "0.2", "--metrics-port", str(port)),
+        ],
+        env={**os.environ, "PYTHONPATH": str(REPO / "operator")},
+        stdout=open(tmp_path / "janitor.log", "wb"),  # noqa: SIM115 - the child owns it
+        stderr=subprocess.STDOUT,
+    )
+    sampler = Sampler(pvc)
+    sampler.start()
+    try:
+        for n in range(100, 125):
+            eng.complete(prompt(n), max_tokens=1)
+        time.sleep(2)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+    finally:
+        sampler.stop.set()
+        sampler.join()
+        janitor.terminate()
+        janitor.wait(timeout=10)
+    evicted = metric(text, "kvstrata_fs_tier_evicted_bytes_total")
+    peak = max(sampler.samples)
+    assert evicted > BUDGET, f"the workload did not run past the budget: evicted {evicted}"
+    assert peak <= BUDGET, f"the fs tier reached {peak} bytes, over its {BUDGET}-byte budget"
+    assert metric(text, "kvstrata_fs_tier_used_bytes") <= BUDGET
+
+    # Janitor gone: the tier fills the "PVC" and writes fail with ENOSPC; the engine serves on.
+    for n in range(200, 225):
+        out = eng.complete(prompt(n), max_tokens=1)
+        assert out["usage"]["prompt_tokens"] >= 512
+    time.sleep(2)
+    assert eng.running()
+    # vLLM logs each failed store ("block I/O failed"; seen as EIO from its C I/O path on a full tmpfs).
+    assert shutil.disk_usage(pvc).free < 4 << 20, "the PVC never filled up"
+    assert "block I/O failed" in eng.log_text()
+    assert eng.complete(prompt(100), max_tokens=1)["choices"]
