@@ -26,6 +26,7 @@ from kvstrata.api.models import (
     InferenceClusterSpec,
     InferenceClusterStatus,
 )
+from kvstrata.api.router_config import LABEL_NAME, LABEL_PART_OF
 
 # Paths inside a checkout of the repository (`--repo`, default: the current directory). The installed
 # package never looks for its own source tree.
@@ -127,7 +128,7 @@ def crd() -> dict[str, Any]:
         "kind": "CustomResourceDefinition",
         "metadata": {
             "name": f"{PLURAL}.{GROUP}",
-            "labels": {"app.kubernetes.io/name": "kvstrata", "app.kubernetes.io/part-of": "kvstrata"},
+            "labels": {LABEL_NAME: "kvstrata", LABEL_PART_OF: "kvstrata"},
         },
         "spec": {
             "group": GROUP,

@@ -28,6 +28,7 @@ import aiohttp
 from prometheus_client import Counter, Gauge
 
 from kvstrata.api.models import API_VERSION, KIND, CacheStatus, PodCache, RouterStatus
+from kvstrata.api.router_config import LABEL_COMPONENT, LABEL_INSTANCE
 from kvstrata.controller.hitrate import CacheTracker, percent
 from kvstrata.controller.metrics import REGISTRY
 from kvstrata.controller.promtext import (
@@ -45,8 +46,8 @@ from kvstrata.controller.statussync import utc_now
 log = logging.getLogger("kvstrata.cache_status")
 
 Obj = dict[str, Any]
-INSTANCE = "app.kubernetes.io/instance"
-COMPONENT = "app.kubernetes.io/component"
+INSTANCE = LABEL_INSTANCE
+COMPONENT = LABEL_COMPONENT
 CONDITION = "MetricsAvailable"
 MAX_POD_ROWS = 64
 MANAGER = "kvstrata-cache-status"

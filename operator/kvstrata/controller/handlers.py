@@ -20,6 +20,7 @@ from typing import Any, cast
 import kopf
 
 from kvstrata.api.models import API_VERSION, GROUP, KIND, PLURAL, VERSION
+from kvstrata.api.router_config import LABEL_MANAGED_BY
 from kvstrata.controller import cache_status, metrics, webhook
 from kvstrata.controller.apply import Applier
 from kvstrata.controller.kube import Kube, KubeError
@@ -28,7 +29,7 @@ from kvstrata.controller.settings import OperatorConfig
 from kvstrata.controller.statussync import StatusSync
 from kvstrata.controller.store import Store
 
-MANAGED = {"app.kubernetes.io/managed-by": "kvstrata"}
+MANAGED = {LABEL_MANAGED_BY: "kvstrata"}
 WEBHOOK_ID = "validate-inferencecluster"
 ANNOTATION_PREFIX = "kvstrata.io"
 log = logging.getLogger("kvstrata.operator")

@@ -12,12 +12,13 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstrata.api.router_config import LABEL_COMPONENT, LABEL_INSTANCE
 from kvstrata.controller.status import DeployView, Observed, PlanRecord, PvcView, StsView
 
 Obj = dict[str, Any]
 Key = tuple[str, str]
-INSTANCE = "app.kubernetes.io/instance"
-COMPONENT = "app.kubernetes.io/component"
+INSTANCE = LABEL_INSTANCE
+COMPONENT = LABEL_COMPONENT
 
 
 def owner_key(obj: Obj) -> Key | None:
