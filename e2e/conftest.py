@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from kvstrata_dev.e2e.stack import REPO, Stack, load_manifest
+from kvstrata_dev.e2e.stack import Stack, load_manifest
 from kvstrata_dev.localcluster.session import LocalCluster, namespace_name
+from kvstrata_dev.repo import REPO
 from kvstrata_dev.testing.engines import vllm_python
 
 # KVSTRATA_E2E_EXAMPLE: run the same tests on another CPU manifest (three replicas, a pvc:// tiny model).

@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata_dev.e2e import workload
-from kvstrata_dev.e2e.stack import REPO, Stack, StackError, load_manifest, say, stop_recorded
+from kvstrata_dev.e2e.stack import Stack, StackError, load_manifest, say, stop_recorded
 from kvstrata_dev.localcluster import cluster, versions
 from kvstrata_dev.localcluster.layout import Layout
 from kvstrata_dev.localcluster.session import CommandError
+from kvstrata_dev.repo import REPO
 from kvstrata_dev.testing.engines import group_pids
 from kvstrata_dev.testing.tinymodel import kvstrata_cache
 
