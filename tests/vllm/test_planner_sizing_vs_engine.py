@@ -28,6 +28,7 @@ from kvstrata_dev.testing.engines import (
     VllmEngine,
     free_port,
     rebind_engine_args,
+    rebind_engine_env,
     start_all,
     stop_all,
 )
@@ -83,7 +84,7 @@ def planned_engines(
             kv_events_port=free_port(),
             kv_replay_port=free_port(),
         )
-        engine = VllmEngine.from_argv(args, dict(p.engine_env), log_path=log_dir / f"{name}.log")
+        engine = VllmEngine.from_argv(args, rebind_engine_env(p.engine_env), log_path=log_dir / f"{name}.log")
         out[name] = (p, engine)
     engines = [e for _, e in out.values()]
     start_all(engines, timeout=900)
@@ -243,8 +244,9 @@ def test_cpu_example_boots_real_vllm(name: str, tiny_model: Path, vllm_py: Path,
         port=free_port(),
         kv_events_port=free_port(),
         kv_replay_port=free_port(),
+        kv_cache_dir=tmp_path / "kv-cache",
     )
-    with VllmEngine.from_argv(args, dict(p.engine_env), log_path=tmp_path / "engine.log") as engine:
+    with VllmEngine.from_argv(args, rebind_engine_env(p.engine_env), log_path=tmp_path / "engine.log") as engine:
         try:
             engine.wait_ready(timeout=900)
         except EngineError as exc:

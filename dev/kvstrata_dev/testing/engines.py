@@ -26,7 +26,8 @@ from kvstrata.api.models import InferenceClusterSpec
 from kvstrata.planner import flags, plan
 from kvstrata.planner.arch import architecture_from_hf_config
 from kvstrata.planner.constants import KV_EVENTS_TOPIC
-from kvstrata.planner.flags import unpinned_omp_env
+from kvstrata.planner.flags import ENGINE_PYTHONPATH, unpinned_omp_env
+from kvstrata_dev.repo import REPO
 from kvstrata_dev.testing.tinymodel import kvstrata_cache
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -237,9 +238,11 @@ def rebind_engine_args(
     port: int | None = None,
     kv_events_port: int | None = None,
     kv_replay_port: int | None = None,
+    kv_cache_dir: Path | str | None = None,
 ) -> list[str]:
     """Rendered engine flags made runnable on this machine: local model path, loopback address, free
-    ports. Every other flag is kept exactly, so the run still proves what the operator rendered."""
+    ports, and the fs tier's directory (the pod's PVC mount) moved to `kv_cache_dir`. Every other flag
+    is kept exactly, so the run still proves what the operator rendered."""
     out = list(args)
     replacements = {"--model": model_dir, "--host": host, "--port": port}
     for flag, value in replacements.items():
@@ -257,6 +260,24 @@ def rebind_engine_args(
         if kv_replay_port is not None:
             cfg["replay_endpoint"] = f"tcp://{host or '127.0.0.1'}:{kv_replay_port}"
         out[i] = json.dumps(cfg, separators=(",", ":"))
+    if "--kv-transfer-config" in out and kv_cache_dir is not None:
+        i = out.index("--kv-transfer-config") + 1
+        transfer = json.loads(out[i])
+        for tier in transfer.get("kv_connector_extra_config", {}).get("secondary_tiers", []):
+            if tier.get("type") == "fs":
+                tier["root_dir"] = str(kv_cache_dir)
+        out[i] = json.dumps(transfer, separators=(",", ":"))
+    return out
+
+
+def rebind_engine_env(env: Mapping[str, str]) -> dict[str, str]:
+    """Rendered engine env made runnable on this machine: the image's copy of kvstrata's engine package
+    (ENGINE_PYTHONPATH) is this checkout's `operator/`."""
+    out = dict(env)
+    if "PYTHONPATH" in out:
+        out["PYTHONPATH"] = os.pathsep.join(
+            str(REPO / "operator") if entry == ENGINE_PYTHONPATH else entry for entry in out["PYTHONPATH"].split(os.pathsep)
+        )
     return out
 
 
