@@ -246,7 +246,9 @@ def test_cpu_example_boots_real_vllm(name: str, tiny_model: Path, vllm_py: Path,
         kv_replay_port=free_port(),
         kv_cache_dir=tmp_path / "kv-cache",
     )
-    with VllmEngine.from_argv(args, rebind_engine_env(p.engine_env), log_path=tmp_path / "engine.log") as engine:
+    with VllmEngine.from_argv(
+        args, rebind_engine_env(p.engine_env), log_path=tmp_path / "engine.log"
+    ) as engine:
         try:
             engine.wait_ready(timeout=900)
         except EngineError as exc:

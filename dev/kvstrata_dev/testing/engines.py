@@ -276,7 +276,8 @@ def rebind_engine_env(env: Mapping[str, str]) -> dict[str, str]:
     out = dict(env)
     if "PYTHONPATH" in out:
         out["PYTHONPATH"] = os.pathsep.join(
-            str(REPO / "operator") if entry == ENGINE_PYTHONPATH else entry for entry in out["PYTHONPATH"].split(os.pathsep)
+            str(REPO / "operator") if entry == ENGINE_PYTHONPATH else entry
+            for entry in out["PYTHONPATH"].split(os.pathsep)
         )
     return out
 
