@@ -28,13 +28,45 @@ class Result:
     start_s: float = 0.0  # when it was sent, from the start of the run
 
 
+@dataclass(frozen=True)
+class Scripted:
+    """A conversation as the client sends it: per turn, the API path and the body's input fields
+    (``prompt`` for completions, ``messages`` for chat)."""
+
+    cid: int
+    requests: tuple[tuple[str, dict[str, Any]], ...]
+
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+
+
+def completions(conv: Conversation) -> Scripted:
+    return Scripted(conv.cid, tuple((COMPLETIONS, {"prompt": p}) for p in conv.prompts))
+
+
+def _content(event: dict[str, Any]) -> str | None:
+    choices = event.get("choices") or []
+    if not choices:
+        return None
+    first = choices[0]
+    return first.get("text") or (first.get("delta") or {}).get("content")
+
+
 async def _one(
-    session: aiohttp.ClientSession, url: str, model: str, prompt: str, max_tokens: int, cid: int, turn: int
+    session: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    request: tuple[str, dict[str, Any]],
+    max_tokens: int,
+    cid: int,
+    turn: int,
 ) -> Result:
     """One streamed request; ``start_s`` is filled in by the caller."""
+    path, fields = request
     body = {
         "model": model,
-        "prompt": prompt,
+        **fields,
         "max_tokens": max_tokens,
         "temperature": 0.0,
         "stream": True,
@@ -44,7 +76,7 @@ async def _one(
     ttft = None
     done = False
     try:
-        async with session.post(url + "/v1/completions", json=body) as resp:
+        async with session.post(url + path, json=body) as resp:
             if resp.status != 200:
                 text = (await resp.text())[:200]
                 return Result(
@@ -59,11 +91,8 @@ async def _one(
                 if data == b"[DONE]":
                     done = True
                     continue
-                if ttft is None:
-                    event = json.loads(data)
-                    choices = event.get("choices") or []
-                    if choices and choices[0].get("text"):
-                        ttft = time.perf_counter() - start
+                if ttft is None and _content(json.loads(data)):
+                    ttft = time.perf_counter() - start
     except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
         return Result(
             cid, turn, False, ttft, time.perf_counter() - start, f"{type(exc).__name__}: {exc}"[:200]
@@ -79,7 +108,7 @@ async def _one(
 async def run_conversations(
     url: str,
     model: str,
-    convs: Sequence[Conversation],
+    convs: Sequence[Conversation | Scripted],
     max_tokens: int,
     concurrency: int,
     timeout_s: float = 300.0,
@@ -102,17 +131,18 @@ async def run_conversations(
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         t0 = time.perf_counter()
 
-        async def conversation(conv: Conversation, arrival: Arrival | None) -> None:
+        async def conversation(conv: Scripted, arrival: Arrival | None) -> None:
             if arrival is not None:
                 await asyncio.sleep(max(0.0, t0 + arrival.start_s - time.perf_counter()))
-            for turn, prompt in enumerate(conv.prompts):
+            for turn, request in enumerate(conv.requests):
                 if arrival is not None and turn:
                     await asyncio.sleep(arrival.think_s[turn - 1])
                 async with gate:
                     sent = time.perf_counter() - t0
-                    res = await _one(session, url, model, prompt, max_tokens, conv.cid, turn)
+                    res = await _one(session, url, model, request, max_tokens, conv.cid, turn)
                     results.append(replace(res, start_s=sent))
 
         plan = list(schedule) if schedule is not None else [None] * len(convs)
-        await asyncio.gather(*(conversation(c, a) for c, a in zip(convs, plan, strict=False)))
+        scripted = [c if isinstance(c, Scripted) else completions(c) for c in convs]
+        await asyncio.gather(*(conversation(c, a) for c, a in zip(scripted, plan, strict=False)))
     return results

@@ -63,7 +63,7 @@ def _words(rng: random.Random, n: int) -> list[str]:
     return out
 
 
-def _text(rng: random.Random, tokens: int, count: Callable[[str], int]) -> str:
+def filler_text(rng: random.Random, tokens: int, count: Callable[[str], int]) -> str:
     """Text of about `tokens` tokens: grow by words, trim back to the target."""
     words: list[str] = []
     while count(" ".join(words)) < tokens:
@@ -77,7 +77,8 @@ def build(spec: WorkloadSpec, count_tokens: Callable[[str], int]) -> list[Conver
     spec.validate()
     rng = random.Random(spec.seed)
     docs = [
-        f"Document {g}.\n" + _text(rng, spec.doc_tokens, count_tokens) + "\n\n" for g in range(spec.groups)
+        f"Document {g}.\n" + filler_text(rng, spec.doc_tokens, count_tokens) + "\n\n"
+        for g in range(spec.groups)
     ]
     convs = []
     for cid in range(spec.conversations):
@@ -85,9 +86,9 @@ def build(spec: WorkloadSpec, count_tokens: Callable[[str], int]) -> list[Conver
         history = docs[group]
         prompts = []
         for _ in range(spec.turns):
-            history += f"User {cid}: " + _text(rng, spec.user_tokens, count_tokens) + "\nAssistant:"
+            history += f"User {cid}: " + filler_text(rng, spec.user_tokens, count_tokens) + "\nAssistant:"
             prompts.append(history)
-            history += " " + _text(rng, spec.reply_tokens, count_tokens) + "\n"
+            history += " " + filler_text(rng, spec.reply_tokens, count_tokens) + "\n"
         convs.append(Conversation(cid, group, tuple(prompts)))
     return convs
 

@@ -1,6 +1,6 @@
 # Benchmarks: kvstrata's router vs vllm-router and sglang-router. Figures are printed and written to
 # .bench/*.json; they never fail a build. See docs/benchmarks.md.
-.PHONY: bench-router bench-proxy bench-deps bench-tools bench-lint
+.PHONY: bench-router bench-router-fixed bench-proxy bench-deps bench-tools bench-lint
 
 BENCH_DIR ?= .bench
 
@@ -23,11 +23,15 @@ $(BENCH_TOOLS_STAMP):
 
 bench-tools: $(BENCH_TOOLS_STAMP)
 
-# Three real vLLM CPU engines + one shared-prefix multi-turn workload through every router, one round per
-# seed (BENCH_SEEDS, ten by default), open loop (BENCH_ARRIVAL_RATE; 0 = closed loop), 0.6 CPU per engine
-# where cgroups are writable (BENCH_ENGINE_CPU); ~50 min, BENCH_SEEDS=7 ~6 min. Size with
-# BENCH_CONVERSATIONS, BENCH_TURNS, BENCH_GROUPS (see python -m bench.router_bench --help).
+# kvstrata vs sglang-router and vllm-router over BENCH_DRAWS (20) random draws of a workload family:
+# tenants, users, turns, lengths, completions/chat, closed/Poisson/bursty arrivals, KV capacity 0.3-3x
+# the working set (bench/family.py). Three real vLLM CPU engines per draw; paired differences per regime.
+# Several hours on two cores; BENCH_DRAWS=3 for a look. `--dry-run` in BENCH_ARGS lists the draws.
 bench-router: venv vllm bench-deps
+	$(PY) -m bench.family_bench --out $(BENCH_DIR)/router-family.json $(BENCH_ARGS)
+
+# The earlier fixed shape (one shared-prefix multi-turn workload, ten seeds; docs/benchmarks.md).
+bench-router-fixed: venv vllm bench-deps
 	$(PY) -m bench.router_bench --out $(BENCH_DIR)/router.json $(BENCH_ARGS)
 
 # Router overhead: req/s and added latency to a static nginx backend, non-streaming and SSE.

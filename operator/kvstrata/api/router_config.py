@@ -46,6 +46,9 @@ WEIGHT_LOAD: Final = 0.2
 WEIGHT_KV_USAGE: Final = 0.1
 WEIGHT_SESSION: Final = 2.0
 WEIGHT_CACHE_ROOM: Final = 1.0
+# The history scorer: a prompt goes back to its group's home unless the estimated prefill wait there is more
+# than twice that of an idle engine (prefill scores are cheapest / cost, so a gap above 0.5).
+WEIGHT_HISTORY: Final = 0.5
 WEIGHT_RECENT: Final = 0.3
 QUEUE_WEIGHT: Final = 0.25
 # Tier credit defaults: share of a block's prefill a hit in that tier saves.
@@ -95,6 +98,11 @@ class Weights(_Wire):
         WEIGHT_CACHE_ROOM,
         ge=0,
         description="A prompt no engine holds goes where the router's index holds fewest blocks",
+    )
+    history: float = Field(
+        WEIGHT_HISTORY,
+        ge=0,
+        description="A prompt no engine holds goes back to the engine that held and evicted it",
     )
     recent: float = Field(
         WEIGHT_RECENT,

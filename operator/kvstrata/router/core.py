@@ -267,8 +267,9 @@ class Router:
         matches = (self.approx if approximate else self.index).lookup(hashes)
         tie_key = hashes[0].to_bytes(8, "big") if hashes else self.prefix_key(req)
         room = {} if matches or approximate else {ep.url: self.index.blocks_of(ep.url) for ep in eps}
+        history = {} if matches or approximate else self.index.history(hashes)
         rreq = RouteRequest(
-            hashes, matches, tie_key, session_id, approximate, room, n_tokens, time.monotonic()
+            hashes, matches, tie_key, session_id, approximate, room, history, n_tokens, time.monotonic()
         )
         kept = self.bounded.filter(rreq, eps)
         ranked = pick(rreq, kept, self.scorers)

@@ -12,6 +12,13 @@ Memory bound: at most ``max_blocks`` (endpoint, block) entries in total. Each en
 entries in least-recently-touched order (stored, predicted or matched by a lookup); when the bound is
 exceeded the least-recently-touched entry of the endpoint with the most entries is evicted, so one busy
 engine cannot push every other engine out of the index. Evictions are counted.
+
+History: a block an engine evicted (from every tier, or dropped from the index by its bound) is kept
+as a *ghost* of that engine, under the same bound, until it is stored again. A prompt's longest
+prefix of live-or-ghost blocks on an engine says where its prefix group lived before memory pressure
+pushed it out: a text-tree router never forgets where it sent a prefix, so it keeps sending the group
+to one engine, which keeps it hot; a router that only knows what is cached now scatters the group over
+every engine once it is evicted, and each copy evicts other groups (router/scoring.py, HistoryScorer).
 """
 
 from __future__ import annotations
@@ -19,8 +26,8 @@ from __future__ import annotations
 import heapq
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from typing import NamedTuple, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple, Protocol
 
 from kvstrata.router.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
@@ -41,6 +48,7 @@ class PrefixMatch(NamedTuple):
 
 class PrefixIndex(Protocol):
     def lookup(self, hashes: Sequence[int]) -> dict[str, PrefixMatch]: ...
+    def history(self, hashes: Sequence[int]) -> dict[str, int]: ...
     def apply(self, endpoint: str, event: KVEvent) -> None: ...
     def predict(self, endpoint: str, hashes: Sequence[int], ttl: float) -> None: ...
     def drop_endpoint(self, endpoint: str) -> None: ...
@@ -63,6 +71,9 @@ class BlockIndex:
         self._predictions: list[tuple[float, str, int]] = []
         self._size = 0
         self.evictions = 0
+        # endpoint -> ghost hashes, oldest first; at most max_blocks in total (see _remember).
+        self._ghosts: dict[str, OrderedDict[int, None]] = {}
+        self._ghost_count = 0
 
     def __len__(self) -> int:
         return self._size
@@ -106,12 +117,36 @@ class BlockIndex:
                 out[ep] = PrefixMatch(n, gpu, cpu, storage, predicted)
         return out
 
+    def history(self, hashes: Sequence[int]) -> dict[str, int]:
+        """Per endpoint, the prompt's leading blocks it holds or evicted lately (0s left out)."""
+        out: dict[str, int] = {}
+        none: dict[int, Any] = {}
+        for ep in set(self._eps) | set(self._ghosts):
+            live: Mapping[int, list[float]] = self._eps.get(ep, none)
+            ghosts: Mapping[int, None] = self._ghosts.get(ep, none)
+            n = 0
+            for h in hashes:
+                if h not in ghosts and not self._real(live.get(h)):
+                    break
+                n += 1
+            if n:
+                out[ep] = n
+        return out
+
+    @staticmethod
+    def _real(entry: list[float] | None) -> bool:
+        return entry is not None and bool(int(entry[0]) & REAL)
+
     # --- writes ----------------------------------------------------------------------------------
     def apply(self, endpoint: str, event: KVEvent) -> None:
         if isinstance(event, BlockStored):
             bit = _MEDIUM_BIT.get(event.medium, GPU)
             blocks = self._blocks(endpoint)
+            ghosts = self._ghosts.get(endpoint)
             for h in event.block_hashes:
+                if ghosts is not None and h in ghosts:
+                    del ghosts[h]
+                    self._ghost_count -= 1
                 entry = blocks.get(h)
                 if entry is None:
                     blocks[h] = [bit, 0.0]
@@ -138,8 +173,10 @@ class BlockIndex:
                     # Gone from every tier; a pending prediction for it is wrong too.
                     del held[h]
                     self._size -= 1
+                    self._remember(endpoint, h)
         elif isinstance(event, AllBlocksCleared):
             self._clear(endpoint)
+            self._forget(endpoint)
 
     def predict(self, endpoint: str, hashes: Sequence[int], ttl: float) -> None:
         if not hashes:
@@ -166,6 +203,7 @@ class BlockIndex:
         blocks = self._eps.pop(endpoint, None)
         if blocks is not None:
             self._size -= len(blocks)
+        self._forget(endpoint)
 
     # --- internals -------------------------------------------------------------------------------
     def _blocks(self, endpoint: str) -> OrderedDict[int, list[float]]:
@@ -206,6 +244,29 @@ class BlockIndex:
     def _enforce_bound(self) -> None:
         while self._size > self.max_blocks:
             ep = max(self._eps, key=lambda e: len(self._eps[e]))
-            self._eps[ep].popitem(last=False)
+            h, entry = self._eps[ep].popitem(last=False)
             self._size -= 1
             self.evictions += 1
+            if self._real(entry):
+                self._remember(ep, h)
+
+    def _remember(self, endpoint: str, h: int) -> None:
+        """``h`` left ``endpoint``: keep it as a ghost; past the bound the oldest ghost of the endpoint
+        with the most ghosts goes (like the live entries, so no engine's history crowds out the rest)."""
+        ghosts = self._ghosts.get(endpoint)
+        if ghosts is None:
+            ghosts = self._ghosts[endpoint] = OrderedDict()
+        if h in ghosts:
+            ghosts.move_to_end(h)
+            return
+        ghosts[h] = None
+        self._ghost_count += 1
+        while self._ghost_count > self.max_blocks:
+            ep = max(self._ghosts, key=lambda e: len(self._ghosts[e]))
+            self._ghosts[ep].popitem(last=False)
+            self._ghost_count -= 1
+
+    def _forget(self, endpoint: str) -> None:
+        ghosts = self._ghosts.pop(endpoint, None)
+        if ghosts is not None:
+            self._ghost_count -= len(ghosts)

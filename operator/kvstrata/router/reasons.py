@@ -14,6 +14,7 @@ class Reason(StrEnum):
     QUEUE = "queue"  # the prefill queued at the holder outweighed its match
     RECENT = "recent"  # fewer live conversations decided it
     CACHE_ROOM = "cache-room"  # a new prefix went where the cache has most room
+    HISTORY = "history"  # an evicted prefix went back to the engine that held it
     LOAD = "load"  # the weighted totals differed otherwise
     TIE_HASH = "tie-hash"  # equal totals: the rendezvous hash of the prompt's first block
     PREFIX_HASH = "prefix-hash"

@@ -32,6 +32,9 @@ class RouteRequest:
     approximate: bool = False
     # Blocks the router's index holds per endpoint; filled only when no endpoint matches the prompt.
     cached_blocks: dict[str, int] = field(default_factory=dict)
+    # Per endpoint, the prompt's leading blocks it holds or evicted lately (BlockIndex.history); filled
+    # only when no endpoint matches the prompt.
+    history: dict[str, int] = field(default_factory=dict)
     # Prompt length in tokens when the router tokenized it (None for character-block fallbacks).
     prompt_tokens: int | None = None
     # When the decision is made (monotonic seconds): scorers that weigh history by age read it.
@@ -198,7 +201,7 @@ class CacheRoomScorer(ScorerHooks):
     name: str = "cache_room"
 
     def score(self, req: RouteRequest, eps: Sequence[Endpoint]) -> list[float]:
-        if req.matches or not req.cached_blocks:
+        if req.matches or req.history or not req.cached_blocks:
             return [0.0] * len(eps)
         blocks = [req.cached_blocks.get(ep.url, 0) for ep in eps]
         most = max(blocks, default=0)
@@ -209,6 +212,34 @@ class CacheRoomScorer(ScorerHooks):
         second = outcome.second
         if room > 0 and second is not None and second.scores.get(self.name, 0.0) < room:
             return Reason.CACHE_ROOM
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class HistoryScorer(ScorerHooks):
+    """A prompt no engine holds goes back to the engine that held (and evicted) the longest part of it:
+    its prefix group's home. Score = that prefix's length / the longest any endpoint had.
+
+    Under memory pressure a group's blocks get evicted between its requests. A router that then places
+    the group by room or load (:class:`CacheRoomScorer`, :class:`RecentScorer`) scatters it over every
+    engine; each copy evicts another group, which scatters in turn, and the cluster caches less than
+    one engine would. A text-tree router (sglang-router's cache_aware) never forgets where it sent a
+    prefix, so it keeps the group at one engine. This scorer does the same from what the engines said
+    they evicted (BlockIndex history), and takes the place of room and recency (both silent when it
+    speaks); the prefill scorer still weighs the queue at the home against an idle engine."""
+
+    name: str = "history"
+
+    def score(self, req: RouteRequest, eps: Sequence[Endpoint]) -> list[float]:
+        if req.matches or not req.history:
+            return [0.0] * len(eps)
+        longest = max(req.history.values())
+        return [req.history.get(ep.url, 0) / longest for ep in eps]
+
+    def explain(self, outcome: Outcome, weight: float) -> Reason | None:
+        win, second = outcome.win, outcome.second
+        if second is not None and win.scores.get(self.name, 0.0) > second.scores.get(self.name, 0.0):
+            return Reason.HISTORY
         return None
 
 
@@ -243,7 +274,7 @@ class RecentScorer(ScorerHooks):
         self.sent.pop(ep.url, None)
 
     def score(self, req: RouteRequest, eps: Sequence[Endpoint]) -> list[float]:
-        if req.matches:
+        if req.matches or req.history:
             return [0.0] * len(eps)
         recent = [self.recent_requests(ep, req.now) for ep in eps]
         most = max(recent, default=0.0)
@@ -336,13 +367,14 @@ SCORERS: dict[str, ScorerFactory] = {
     "load": lambda s: LoadScorer(),
     "kv_usage": lambda s: KvUsageScorer(),
     "cache_room": lambda s: CacheRoomScorer(),
+    "history": lambda s: HistoryScorer(),
     "recent": lambda s: RecentScorer(s.recent_window_seconds),
     "session": lambda s: SessionScorer(),
 }
 # Which scorer's explanation wins when several could claim a decision (after a prefix match, which the
 # kv-aware policy reports itself); bounded load, a filter, is asked between session and prefill.
 EXPLAIN_BEFORE_BOUNDED = ("session",)
-EXPLAIN_AFTER_BOUNDED = ("prefill", "recent", "cache_room")
+EXPLAIN_AFTER_BOUNDED = ("prefill", "history", "recent", "cache_room")
 
 
 def scorer_weight(name: str, settings: RouterSettings) -> float:

@@ -150,3 +150,46 @@ def test_recorded_stream_leaves_a_consistent_index(kv_messages: list[tuple[bytes
 def test_invalid_bound() -> None:
     with pytest.raises(ValueError):
         BlockIndex(0)
+
+
+def test_history_remembers_evicted_blocks_until_stored_again() -> None:
+    idx = BlockIndex(100)
+    idx.apply("a", stored([1, 2, 3]))
+    idx.apply("b", stored([1]))
+    idx.apply("a", BlockRemoved((2, 3), "GPU"))
+    assert idx.lookup([1, 2, 3]) == {"a": PrefixMatch(1, gpu=1), "b": PrefixMatch(1, gpu=1)}
+    # The live prefix plus what `a` evicted: `a` had the whole prompt, `b` only its first block.
+    assert idx.history([1, 2, 3, 4]) == {"a": 3, "b": 1}
+    idx.apply("a", BlockRemoved((1,), "GPU"))
+    assert idx.history([1, 2, 3]) == {"a": 3, "b": 1}
+    assert "a" not in idx.lookup([1, 2, 3])
+    # Offloaded to CPU is not evicted: no ghost, and a block stored again is live, not a ghost.
+    idx.apply("b", stored([5], "CPU"))
+    idx.apply("b", BlockRemoved((5,), "GPU"))
+    idx.apply("a", stored([1, 2]))
+    assert idx.history([1, 2, 3]) == {"a": 3, "b": 1}
+    idx.apply("a", BlockRemoved((1, 2), "GPU"))
+    idx.apply("a", AllBlocksCleared())  # a reset engine has no history either
+    assert idx.history([1, 2, 3]) == {"b": 1}
+
+
+def test_history_is_bounded_and_fed_by_the_index_bound() -> None:
+    idx = BlockIndex(4)
+    idx.apply("a", stored([1, 2, 3, 4]))
+    idx.apply("a", stored([5, 6]))  # the bound drops 1 and 2: the router forgot them, a ghost remembers
+    assert idx.history([1, 2]) == {"a": 2}
+    idx.apply("b", BlockRemoved((9,), "GPU"))  # never held: not a ghost
+    assert idx.history([9]) == {}
+
+    churn = BlockIndex(4)
+    churn.apply("a", stored([1, 2]))
+    churn.apply("a", BlockRemoved((1, 2), "GPU"))
+    for h in range(10, 20):
+        churn.apply("c", stored([h]))
+        churn.apply("c", BlockRemoved((h,), "GPU"))
+    # At most max_blocks ghosts in all, taken from the endpoint with the most: c's newest two survive
+    # and a's history is not pushed out by c's churn.
+    assert [h for h in range(10, 20) if churn.history([h])] == [18, 19]
+    assert churn.history([1, 2]) == {"a": 2}
+    churn.drop_endpoint("c")
+    assert all(not churn.history([h]) for h in range(10, 20))

@@ -347,3 +347,27 @@ async def test_round_robin_least_load_prefix_hash() -> None:
     assert len(same) == 1  # same first block → same endpoint
     spread = {(await ph.decide(_req(f"{i:04d}tail"))).order[0].url for i in range(30)}
     assert len(spread) > 1
+
+
+async def test_an_evicted_prefix_goes_back_to_the_engine_that_held_it() -> None:
+    from kvstrata.router.events import BlockRemoved, BlockStored
+
+    r = _router("kv-aware")
+    eps = r.pool.all()
+    tokens = list(range(12))
+    d = await r.decide(_req(tokens))
+    home = d.order[0]
+    r.commit(d, home)
+    r.settle(d, home)
+    r.index.apply(home.url, BlockStored(tuple(d.hashes), None, (), 4, "GPU"))
+    r.index.apply(home.url, BlockRemoved(tuple(d.hashes), "GPU"))  # memory pressure evicted it all
+    # The home now holds the most blocks and had the most recent traffic: room and recency alone
+    # would send the group elsewhere.
+    r.index.apply(home.url, BlockStored((500, 501, 502), None, (), 4, "GPU"))
+    _recent(r).on_routed(home, time.monotonic())
+    again = await r.decide(_req([*tokens, 77, 78, 79, 80]))
+    assert again.matches == {} and again.order[0] is home and again.reason == "history"
+    # Its queue still counts: a long prefill queued at the home sends the group to an idle engine.
+    home.pending_prefill = 10_000
+    busy = await r.decide(_req(tokens))
+    assert busy.order[0] is not home and busy.order[0] in eps

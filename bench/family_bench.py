@@ -1,0 +1,327 @@
+"""`make bench-router`: kvstrata and its peers over a family of randomly drawn workloads (bench/family.py).
+
+Per draw: three real vLLM CPU engines start with the KV capacity the draw asks for (a multiple of its
+working set), every router runs the draw's workload on them in rotated order with the engines' prefix
+caches reset before each, then the engines stop. Hit rates come from the engines' own counters, TTFT
+from the client. Per draw the oracle (one infinite cache, prompts in order) is printed beside every
+router; pooled, kvstrata's paired differences against each peer (mean ± standard error over draws), split
+by regime: pressure (capacity < working set) and rich (≥). The seeds are 1..N; none is chosen by outcome.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench import engine_metrics as em
+from bench.cpuquota import CpuQuotas, QuotaUnavailable
+from bench.family import Draw, conversations, draw, engine_blocks, paired, schedule
+from bench.procs import BenchError, ProcGroup, bench_main
+from bench.report import fmt, machine, mean, percentile, table
+from bench.router_bench import (
+    ENGINE_EXTRA_ARGS,
+    ENGINES,
+    MODEL,
+    _engine_cpu,
+    _Round,
+    _run_router,
+    _Workload,
+    resolve_engine_cpu,
+)
+from bench.routers import RouterConfig, Worker
+from bench.workload import distinct_blocks, ideal_hit_rate
+
+KVSTRATA = "kvstrata/kv-aware"
+# vllm-router's round_robin and kv_aware trailed by 25+ points in every earlier run; the best two peers
+# keep a 20-draw run within a working day on two cores (BENCH_ROUTERS adds them back).
+DEFAULT_ROUTERS = (KVSTRATA, "sglang-router/cache_aware", "vllm-router/cache_aware")
+DEFAULT_DRAWS = 20
+BLOCK_SIZE = 32
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.family_bench", description=__doc__.split("\n")[0])
+    p.add_argument("--routers", default=os.environ.get("BENCH_ROUTERS", ",".join(DEFAULT_ROUTERS)))
+    p.add_argument(
+        "--draws",
+        type=int,
+        default=int(os.environ.get("BENCH_DRAWS") or DEFAULT_DRAWS),
+        help="draws of the family, seeds FIRST..FIRST+N-1 (env BENCH_DRAWS, default %(default)s)",
+    )
+    p.add_argument("--first-seed", type=int, default=int(os.environ.get("BENCH_FIRST_SEED") or 1))
+    p.add_argument(
+        "--engine-cpu",
+        type=_engine_cpu,
+        default=os.environ.get("BENCH_ENGINE_CPU") or "auto",
+        help="CPU cores per engine (CFS quota; auto = 0.6 where cgroups are writable)",
+    )
+    p.add_argument("--out", type=Path, default=Path(".bench/router-family.json"))
+    p.add_argument("--workdir", type=Path, default=Path(".bench/router-family"))
+    p.add_argument("--dry-run", action="store_true", help="print the draws and their sizes, run nothing")
+    return p.parse_args(argv)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    draw: Draw
+    workload: _Workload
+    blocks: int
+    max_len: int
+    info: dict[str, Any]
+
+
+def prepare(d: Draw, tok: Any) -> Prepared:
+    """The draw's prompts, their token ids (as the engines will see them), working set and oracle."""
+    convs = conversations(d, lambda text: len(tok.tokenizer.encode(text, add_special_tokens=False).ids))
+    ids = [
+        [
+            tok.encode_chat(c.messages(k)) if d.api == "chat" else tok.encode_completion(c.prompt(k))
+            for k in range(len(c.turns))
+        ]
+        for c in convs
+    ]
+    token_lists = [t for conv in ids for t in conv]
+    in_order = [conv[k] for k in range(d.turns) for conv in ids]
+    working_set = distinct_blocks(token_lists, BLOCK_SIZE)
+    longest = max(len(t) for t in token_lists) + d.max_tokens
+    blocks = engine_blocks(d, working_set, longest, BLOCK_SIZE, ENGINES)
+    max_len = min(4096, (blocks - 1) * BLOCK_SIZE)
+    if max_len < longest:
+        raise BenchError(f"draw {d.seed}: longest request needs {longest} tokens, max model len {max_len}")
+    info = {
+        **{k: v for k, v in vars(d).items() if k != "scaled"},
+        "scaled": list(d.scaled),
+        "requests": len(token_lists),
+        "prompt_tokens_total": sum(len(t) for t in token_lists),
+        "longest_request_tokens": longest,
+        "working_set_blocks": working_set,
+        "blocks_each": blocks,
+        # The capacity the engines really got (the floor can raise it above the drawn ratio).
+        "capacity_actual": round(blocks * ENGINES / working_set, 3),
+        "oracle_hit_rate": round(ideal_hit_rate(in_order, BLOCK_SIZE), 4),
+    }
+    workload = _Workload(d.seed, [c.scripted(d.api) for c in convs], schedule(d), info)
+    return Prepared(d, workload, blocks, max_len, info)
+
+
+def regime(p: Prepared) -> str:
+    return "pressure" if p.info["capacity_actual"] < 1.0 else "rich"
+
+
+def _row(name: str, rnd: _Round | dict[str, Any]) -> dict[str, Any]:
+    if isinstance(rnd, dict):
+        return rnd
+    ok = [r for r in rnd.results if r.ok]
+    ttft = [r.ttft_s * 1000 for r in ok if r.ttft_s is not None]
+    return {
+        "router": name,
+        "requests": len(rnd.results),
+        "errors": sum(not r.ok for r in rnd.results),
+        "error_samples": sorted({r.error for r in rnd.results if r.error})[:3],
+        "hit_rate": em.cluster_hit_rate(rnd.rows),
+        "ttft_ms_mean": mean(ttft),
+        "ttft_ms_p50": percentile(ttft, 50),
+        "ttft_ms_p99": percentile(ttft, 99),
+        "per_engine_requests": [int(r.requests) for r in rnd.rows],
+        "split_max_over_mean": em.split_imbalance(rnd.rows),
+        "preemptions": sum(r.preemptions for r in rnd.rows),
+        "wall_s": round(rnd.wall_s, 1),
+        "router_cpu_s": round(rnd.router_cpu_s, 2),
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from kvstrata.router.prompts import LocalTokenizer
+    from kvstrata_dev.testing.engines import EngineError, group_pids, start_engines, stop_all, vllm_python
+    from kvstrata_dev.testing.tinymodel import default_tiny_model_dir, ensure_tiny_model
+
+    routers = [r.strip() for r in args.routers.split(",") if r.strip()]
+    model_dir = ensure_tiny_model(default_tiny_model_dir())
+    tok = LocalTokenizer(model_dir)
+    prepared = [prepare(draw(s), tok) for s in range(args.first_seed, args.first_seed + args.draws)]
+    for p in prepared:
+        print(
+            f"{p.draw.label()}\n    {p.info['requests']} requests, {p.info['prompt_tokens_total']} prompt tokens, "
+            f"working set {p.info['working_set_blocks']} blocks, engines {ENGINES} x {p.blocks} blocks "
+            f"({p.info['capacity_actual']:.2f}x, {regime(p)}), oracle hit {100 * p.info['oracle_hit_rate']:.1f}%",
+            flush=True,
+        )
+    if args.dry_run:
+        return {"benchmark": "router-family", "dry_run": True, "draws": [p.info for p in prepared]}
+    try:
+        vllm_python()
+    except EngineError as exc:
+        raise BenchError(str(exc)) from None
+    cpu_each, uncapped_why = resolve_engine_cpu(args.engine_cpu)
+    if uncapped_why:
+        print(f"engines share the cores (not capped: {uncapped_why})", flush=True)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    machine_info = machine()
+    t0 = time.monotonic()
+    draws_out = []
+    for k, p in enumerate(prepared):
+        print(f"draw {k + 1}/{len(prepared)} (seed {p.draw.seed}, {regime(p)})", flush=True)
+        engines = start_engines(
+            ENGINES,
+            model_dir,
+            kv_events=True,
+            kv_replay=True,
+            log_dir=args.workdir / "logs" / f"seed{p.draw.seed}",
+            block_size=BLOCK_SIZE,
+            num_gpu_blocks_override=p.blocks,
+            max_model_len=p.max_len,
+            served_model_name=MODEL,
+            extra_args=ENGINE_EXTRA_ARGS,
+        )
+        quotas = CpuQuotas(cpu_each) if cpu_each else None
+        rows: dict[str, dict[str, Any]] = {}
+        try:
+            if quotas is not None:
+                try:
+                    for i, e in enumerate(engines):
+                        quotas.cap(i, group_pids(e.pid))
+                except (QuotaUnavailable, OSError) as exc:
+                    raise BenchError(f"--engine-cpu {cpu_each:g}: {exc}") from None
+            workers = [Worker(e.base_url, e.kv_events_endpoint, e.kv_replay_endpoint) for e in engines]
+            cfg = RouterConfig(
+                model=MODEL, tokenizer_dir=model_dir, block_size=BLOCK_SIZE, log_decisions=True
+            )
+            run_args = argparse.Namespace(
+                max_tokens=p.draw.max_tokens, concurrency=p.draw.concurrency, workdir=args.workdir
+            )
+            with ProcGroup(args.workdir / "logs" / f"seed{p.draw.seed}") as procs:
+                # Rotate: the machine's load drifts, so no router always goes first.
+                for name in routers[k % len(routers) :] + routers[: k % len(routers)]:
+                    print(f"- {name}", flush=True)
+                    rows[name] = _row(
+                        name, _run_router(procs, name, workers, cfg, engines, p.workload, run_args)
+                    )
+        finally:
+            if quotas is not None:
+                quotas.close()
+            stop_all(engines)
+        draws_out.append({**p.info, "regime": regime(p), "results": [rows[n] for n in routers if n in rows]})
+    return {
+        "benchmark": "router-family",
+        "machine": {**machine_info, "loadavg_at_end": [round(x, 2) for x in os.getloadavg()]},
+        "engines": {
+            "count": ENGINES,
+            "block_size": BLOCK_SIZE,
+            "cpu_each": cpu_each or None,
+            "cpu_shared_because": uncapped_why,
+            "extra_args": list(ENGINE_EXTRA_ARGS),
+            "vllm": "0.32.0 CPU",
+        },
+        "routers": routers,
+        "draws": draws_out,
+        "pooled": pooled(draws_out, routers),
+        "total_s": round(time.monotonic() - t0, 1),
+    }
+
+
+def _ok(row: dict[str, Any]) -> bool:
+    return "problem" not in row and row.get("hit_rate") is not None and row.get("ttft_ms_mean") is not None
+
+
+def pooled(draws: list[dict[str, Any]], routers: list[str]) -> dict[str, Any]:
+    """Per regime (and all draws): kvstrata minus each peer, paired per draw, mean ± SE; and the share
+    of draws where kvstrata's hit rate ≥ the best peer's."""
+    out: dict[str, Any] = {}
+    for name in ("pressure", "rich", "all"):
+        chosen = [d for d in draws if name == "all" or d["regime"] == name]
+        section: dict[str, Any] = {"draws": len(chosen), "vs": {}}
+        for peer in routers:
+            if peer == KVSTRATA:
+                continue
+            hit, ratio_mean, ratio_p99 = [], [], []
+            for d in chosen:
+                rows = {r["router"]: r for r in d["results"]}
+                mine, theirs = rows.get(KVSTRATA), rows.get(peer)
+                if not mine or not theirs or not _ok(mine) or not _ok(theirs):
+                    continue
+                hit.append(100 * (mine["hit_rate"] - theirs["hit_rate"]))
+                ratio_mean.append(mine["ttft_ms_mean"] / theirs["ttft_ms_mean"])
+                ratio_p99.append(mine["ttft_ms_p99"] / theirs["ttft_ms_p99"])
+            section["vs"][peer] = {
+                "pairs": len(hit),
+                "hit_points": paired(hit),
+                "ttft_mean_ratio": paired(ratio_mean),
+                "ttft_p99_ratio": paired(ratio_p99),
+                "hit_ge_peer_draws": sum(x >= 0 for x in hit),
+            }
+        best_hit, ge_best = [], 0
+        for d in chosen:
+            oks = [r for r in d["results"] if _ok(r)]
+            mine = next((r for r in oks if r["router"] == KVSTRATA), None)
+            peers = [r for r in oks if r["router"] != KVSTRATA]
+            if mine is None or not peers:
+                continue
+            best = max(r["hit_rate"] for r in peers)
+            best_hit.append(100 * (mine["hit_rate"] - best))
+            ge_best += mine["hit_rate"] >= best
+        section["vs_best_peer_hit_points"] = paired(best_hit)
+        section["hit_ge_best_peer_draws"] = ge_best
+        section["errors"] = {
+            r: sum(row.get("errors", 0) for d in chosen for row in d["results"] if row["router"] == r)
+            for r in routers
+        }
+        out[name] = section
+    return out
+
+
+def _pm(x: tuple[float, float] | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x[0]:+.{digits}f} ± {x[1]:.{digits}f}"
+
+
+def render(payload: dict[str, Any]) -> str:
+    if payload.get("dry_run"):
+        return f"{len(payload['draws'])} draws (dry run)"
+    routers = payload["routers"]
+    lines = ["router family benchmark: per draw, hit % / TTFT mean / p99 ms / errors / split (max/mean)"]
+    rows = []
+    for d in payload["draws"]:
+        cells = []
+        by = {r["router"]: r for r in d["results"]}
+        for name in routers:
+            r = by.get(name)
+            if r is None or not _ok(r):
+                cells.append("FAILED" if r else "-")
+                continue
+            cells.append(
+                f"{fmt(100 * r['hit_rate'])} / {fmt(r['ttft_ms_mean'], 0)} / {fmt(r['ttft_ms_p99'], 0)} / "
+                f"{r['errors']} / {fmt(r['split_max_over_mean'], 2)}"
+            )
+        rows.append(
+            [
+                f"{d['seed']} {d['regime'][:5]} {d['capacity_actual']:.2f}x {d['api'][:4]} {d['arrival'][:5]} "
+                f"{d['tenants']}t",
+                fmt(100 * d["oracle_hit_rate"]),
+                *cells,
+            ]
+        )
+    lines.append(table(["draw (seed regime capacity api arrival tenants)", "oracle %", *routers], rows))
+    for regime_name, sec in payload["pooled"].items():
+        lines.append(
+            f"{regime_name}: {sec['draws']} draws; kvstrata hit ≥ best peer in {sec['hit_ge_best_peer_draws']}, "
+            f"vs best peer {_pm(sec['vs_best_peer_hit_points'])} points; errors {sec['errors']}"
+        )
+        for peer, v in sec["vs"].items():
+            lines.append(
+                f"  vs {peer} ({v['pairs']} pairs): hit {_pm(v['hit_points'])} points, TTFT mean ratio "
+                f"{_pm(v['ttft_mean_ratio'], 2)}, p99 ratio {_pm(v['ttft_p99_ratio'], 2)}"
+            )
+    lines.append(f"total {payload['total_s']:.0f} s")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    return bench_main("bench-router", lambda: run(args), render, args.out)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

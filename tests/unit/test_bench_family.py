@@ -1,0 +1,97 @@
+"""The router benchmark's workload family: draws are seeded and pure, stay in their ranges and the
+machine budget, say what was scaled; prompts extend turn by turn; pooled figures pair draws."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from bench import family
+from bench.family import Draw, conversations, draw, fit_budget, paired, schedule
+from bench.family_bench import KVSTRATA, pooled
+
+
+def words(text: str) -> int:
+    return len(text.split())
+
+
+def test_draws_are_pure_and_cover_the_family() -> None:
+    draws = [draw(s) for s in range(1, 41)]
+    assert draws == [draw(s) for s in range(1, 41)]
+    for d in draws:
+        assert family.TENANTS[0] <= d.tenants <= family.TENANTS[1]
+        assert family.TURNS[0] <= d.turns <= family.TURNS[1]
+        assert family.CAPACITY_RATIO[0] <= d.capacity_ratio <= family.CAPACITY_RATIO[1]
+        assert d.requests <= family.MAX_REQUESTS or d.tenants * d.turns > family.MAX_REQUESTS
+        assert d.prompt_len_estimate(d.turns - 1) + d.max_tokens <= family.MAX_PROMPT_LEN
+    # Every categorical choice and both regimes occur in 40 draws.
+    assert {d.api for d in draws} == {"completions", "chat"}
+    assert {d.arrival for d in draws} == {"closed", "poisson", "bursty"}
+    assert {d.regime() for d in draws} == {"pressure", "rich"}
+
+
+def test_budget_lowers_counts_together_and_records_it() -> None:
+    big = Draw(
+        seed=0, tenants=24, users_per_tenant=4, turns=6, system_tokens=200, user_tokens=20, reply_tokens=10,
+        max_tokens=4, api="chat", arrival="closed", concurrency=4, rate=0.5, think_s=1.0, burst=3,
+        capacity_ratio=0.5,
+    )  # fmt: skip
+    d = fit_budget(big)
+    assert d.requests <= family.MAX_REQUESTS and d.prompt_tokens_estimate() <= family.MAX_PROMPT_TOKENS
+    assert d.tenants > 2 and d.users_per_tenant > 1 and d.turns > 2  # the shape survives
+    assert any(s.startswith("tenants 24->") for s in d.scaled)
+    small = dataclasses.replace(big, tenants=2, users_per_tenant=1, turns=2)
+    assert fit_budget(small) == small
+
+
+def test_turns_extend_each_other_and_tenants_share_their_system_prompt() -> None:
+    d = dataclasses.replace(draw(3), user_tokens=20, reply_tokens=10, system_tokens=60)
+    convs = conversations(d, words)
+    assert len(convs) == d.conversations
+    for c in convs:
+        for k in range(1, d.turns):
+            assert c.prompt(k - 1).removesuffix("\nassistant:") in c.prompt(k)
+            assert c.messages(k)[: 2 * k] == c.messages(k - 1)
+    systems = {c.tenant: c.turns[0][0] for c in convs}
+    assert all(c.turns[0][0] == systems[c.tenant] for c in convs) and len(systems) == d.tenants
+    assert convs[0].scripted("chat").requests[0][0] == "/v1/chat/completions"
+    assert "prompt" in convs[0].scripted("completions").requests[-1][1]
+
+
+def test_schedules() -> None:
+    closed = dataclasses.replace(draw(1), arrival="closed")
+    assert schedule(closed) is None
+    bursty = dataclasses.replace(draw(1), arrival="bursty", burst=3, tenants=4, users_per_tenant=3)
+    plan = schedule(bursty)
+    assert plan is not None and len(plan) == 12
+    starts = [a.start_s for a in plan]
+    assert starts == sorted(starts) and len(set(starts)) == 4  # four bursts of three
+
+
+def test_paired_mean_and_standard_error() -> None:
+    assert paired([]) is None
+    assert paired([2.0]) == (2.0, 0.0)
+    m, se = paired([1.0, 3.0])
+    assert m == 2.0 and se == pytest.approx(1.0)
+
+
+def _draw_row(regime: str, mine: float, peer: float, ttft_mine: float, ttft_peer: float) -> dict[str, object]:
+    def row(name: str, hit: float, ttft: float) -> dict[str, object]:
+        return {"router": name, "hit_rate": hit, "ttft_ms_mean": ttft, "ttft_ms_p99": 2 * ttft, "errors": 0}
+
+    return {"regime": regime, "results": [row(KVSTRATA, mine, ttft_mine), row("peer/x", peer, ttft_peer)]}
+
+
+def test_pooled_pairs_draws_per_regime() -> None:
+    draws = [
+        _draw_row("pressure", 0.6, 0.5, 100, 200),
+        _draw_row("pressure", 0.4, 0.5, 300, 200),
+        _draw_row("rich", 0.8, 0.8, 100, 100),
+    ]
+    out = pooled(draws, [KVSTRATA, "peer/x"])
+    pressure = out["pressure"]["vs"]["peer/x"]
+    assert out["pressure"]["draws"] == 2 and pressure["pairs"] == 2
+    assert pressure["hit_points"][0] == pytest.approx(0.0)
+    assert pressure["ttft_mean_ratio"][0] == pytest.approx((0.5 + 1.5) / 2)
+    assert pressure["hit_ge_peer_draws"] == 1
+    assert out["rich"]["hit_ge_best_peer_draws"] == 1 and out["all"]["draws"] == 3
