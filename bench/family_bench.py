@@ -11,6 +11,7 @@ by regime: pressure (capacity < working set) and rich (≥). The seeds are 1..N;
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from bench import engine_metrics as em
 from bench.cpuquota import CpuQuotas, QuotaUnavailable
 from bench.family import Draw, conversations, draw, engine_blocks, paired, schedule
 from bench.procs import BenchError, ProcGroup, bench_main
-from bench.report import fmt, machine, mean, percentile, table
+from bench.report import fmt, machine, mean, percentile, table, write_json
 from bench.router_bench import (
     ENGINE_EXTRA_ARGS,
     ENGINES,
@@ -62,6 +63,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path(".bench/router-family.json"))
     p.add_argument("--workdir", type=Path, default=Path(".bench/router-family"))
     p.add_argument("--dry-run", action="store_true", help="print the draws and their sizes, run nothing")
+    p.add_argument("--report", type=Path, help="print the tables of a finished or partial JSON and exit")
     return p.parse_args(argv)
 
 
@@ -162,7 +164,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     args.workdir.mkdir(parents=True, exist_ok=True)
     machine_info = machine()
     t0 = time.monotonic()
-    draws_out = []
+    draws_out: list[dict[str, Any]] = []
+    payload: dict[str, Any] = {}
     for k, p in enumerate(prepared):
         print(f"draw {k + 1}/{len(prepared)} (seed {p.draw.seed}, {regime(p)})", flush=True)
         engines = start_engines(
@@ -205,22 +208,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 quotas.close()
             stop_all(engines)
         draws_out.append({**p.info, "regime": regime(p), "results": [rows[n] for n in routers if n in rows]})
-    return {
-        "benchmark": "router-family",
-        "machine": {**machine_info, "loadavg_at_end": [round(x, 2) for x in os.getloadavg()]},
-        "engines": {
-            "count": ENGINES,
-            "block_size": BLOCK_SIZE,
-            "cpu_each": cpu_each or None,
-            "cpu_shared_because": uncapped_why,
-            "extra_args": list(ENGINE_EXTRA_ARGS),
-            "vllm": "0.32.0 CPU",
-        },
-        "routers": routers,
-        "draws": draws_out,
-        "pooled": pooled(draws_out, routers),
-        "total_s": round(time.monotonic() - t0, 1),
-    }
+        payload = {
+            "benchmark": "router-family",
+            "machine": {**machine_info, "loadavg_at_end": [round(x, 2) for x in os.getloadavg()]},
+            "engines": {
+                "count": ENGINES,
+                "block_size": BLOCK_SIZE,
+                "cpu_each": cpu_each or None,
+                "cpu_shared_because": uncapped_why,
+                "extra_args": list(ENGINE_EXTRA_ARGS),
+                "vllm": "0.32.0 CPU",
+            },
+            "routers": routers,
+            "draws_planned": len(prepared),
+            "draws": draws_out,
+            "pooled": pooled(draws_out, routers),
+            "total_s": round(time.monotonic() - t0, 1),
+        }
+        # A run of many draws takes hours: what is done so far survives a stop, and shows progress.
+        write_json(partial_path(args.out), payload)
+        print(render(payload), flush=True)
+    return payload
+
+
+def partial_path(out: Path) -> Path:
+    return out.with_name(out.stem + ".partial.json")
 
 
 def _ok(row: dict[str, Any]) -> bool:
@@ -281,7 +293,10 @@ def render(payload: dict[str, Any]) -> str:
     if payload.get("dry_run"):
         return f"{len(payload['draws'])} draws (dry run)"
     routers = payload["routers"]
-    lines = ["router family benchmark: per draw, hit % / TTFT mean / p99 ms / errors / split (max/mean)"]
+    lines = [
+        f"router family benchmark, {len(payload['draws'])} of {payload['draws_planned']} draws: per draw, "
+        "hit % / TTFT mean / p99 ms / errors / split (max/mean)"
+    ]
     rows = []
     for d in payload["draws"]:
         cells = []
@@ -320,6 +335,9 @@ def render(payload: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.report:
+        print(render(json.loads(args.report.read_text())))
+        return 0
     return bench_main("bench-router", lambda: run(args), render, args.out)
 
 
