@@ -294,7 +294,7 @@ def render(payload: dict[str, Any]) -> str:
         return f"{len(payload['draws'])} draws (dry run)"
     routers = payload["routers"]
     lines = [
-        f"router family benchmark, {len(payload['draws'])} of {payload['draws_planned']} draws: per draw, "
+        f"router family benchmark, {len(payload['draws'])} of {payload.get('draws_planned', len(payload['draws']))} draws: per draw, "
         "hit % / TTFT mean / p99 ms / errors / split (max/mean)"
     ]
     rows = []
