@@ -26,6 +26,9 @@ class Result:
     latency_s: float
     error: str | None = None
     start_s: float = 0.0  # when it was sent, from the start of the run
+    # From the engine's final usage chunk: what this request really found cached (None if not reported).
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -70,11 +73,14 @@ async def _one(
         "max_tokens": max_tokens,
         "temperature": 0.0,
         "stream": True,
+        # The final chunk then carries usage, with the prompt tokens the engine found cached.
+        "stream_options": {"include_usage": True},
         "ignore_eos": True,
     }
     start = time.perf_counter()
     ttft = None
     done = False
+    usage: dict[str, Any] = {}
     try:
         async with session.post(url + path, json=body) as resp:
             if resp.status != 200:
@@ -91,8 +97,11 @@ async def _one(
                 if data == b"[DONE]":
                     done = True
                     continue
-                if ttft is None and _content(json.loads(data)):
+                event = json.loads(data)
+                if ttft is None and _content(event):
                     ttft = time.perf_counter() - start
+                if event.get("usage"):
+                    usage = event["usage"]
     except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
         return Result(
             cid, turn, False, ttft, time.perf_counter() - start, f"{type(exc).__name__}: {exc}"[:200]
@@ -102,7 +111,16 @@ async def _one(
         return Result(cid, turn, False, ttft, latency, "stream ended without [DONE]")
     if ttft is None:
         return Result(cid, turn, False, None, latency, "no content chunk")
-    return Result(cid, turn, True, ttft, latency)
+    details = usage.get("prompt_tokens_details") or {}
+    return Result(
+        cid,
+        turn,
+        True,
+        ttft,
+        latency,
+        prompt_tokens=usage.get("prompt_tokens"),
+        cached_tokens=details.get("cached_tokens"),
+    )
 
 
 async def run_conversations(

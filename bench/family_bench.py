@@ -114,7 +114,7 @@ def regime(p: Prepared) -> str:
     return "pressure" if p.info["capacity_actual"] < 1.0 else "rich"
 
 
-def _row(name: str, rnd: _Round | dict[str, Any]) -> dict[str, Any]:
+def _row(name: str, rnd: _Round | dict[str, Any], metrics: Path) -> dict[str, Any]:
     if isinstance(rnd, dict):
         return rnd
     ok = [r for r in rnd.results if r.ok]
@@ -131,9 +131,33 @@ def _row(name: str, rnd: _Round | dict[str, Any]) -> dict[str, Any]:
         "per_engine_requests": [int(r.requests) for r in rnd.rows],
         "split_max_over_mean": em.split_imbalance(rnd.rows),
         "preemptions": sum(r.preemptions for r in rnd.rows),
+        # Per request, what the engine found cached (usage.prompt_tokens_details): the ground truth a
+        # router's own prediction (kvstrata_router_predicted_cached_tokens_total) is compared with.
+        "cached_tokens_reported": sum(r.cached_tokens or 0 for r in ok),
+        "prompt_tokens_reported": sum(r.prompt_tokens or 0 for r in ok),
+        "router_counters": _router_counters(metrics.read_text().splitlines() if metrics.exists() else []),
         "wall_s": round(rnd.wall_s, 1),
         "router_cpu_s": round(rnd.router_cpu_s, 2),
     }
+
+
+_COUNTERS = (
+    "kvstrata_router_predicted_cached_tokens_total",
+    "kvstrata_router_actual_cached_tokens_total",
+)
+
+
+def _router_counters(lines: list[str]) -> dict[str, float]:
+    """kvstrata's predicted vs actual cached tokens, and the KV events by type (evictions per engine
+    show as BlockRemoved), from the router's /metrics scraped at the end of the run."""
+    out: dict[str, float] = {}
+    for line in lines:
+        if line.startswith(_COUNTERS) or (
+            line.startswith("kvstrata_router_kv_events_total") and "Block" in line
+        ):
+            name, _, value = line.rpartition(" ")
+            out[name] = out.get(name, 0.0) + float(value)
+    return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -310,15 +334,35 @@ def render(payload: dict[str, Any]) -> str:
                 f"{fmt(100 * r['hit_rate'])} / {fmt(r['ttft_ms_mean'], 0)} / {fmt(r['ttft_ms_p99'], 0)} / "
                 f"{r['errors']} / {fmt(r['split_max_over_mean'], 2)}"
             )
+        kv = by.get(KVSTRATA) or {}
+        counters = kv.get("router_counters") or {}
+        predicted = counters.get("kvstrata_router_predicted_cached_tokens_total")
+        reported = kv.get("prompt_tokens_reported")
+        pred_actual = (
+            f"{100 * predicted / reported:.0f} / {100 * kv['cached_tokens_reported'] / reported:.0f}"
+            if predicted is not None and reported
+            else "-"
+        )
         rows.append(
             [
                 f"{d['seed']} {d['regime'][:5]} {d['capacity_actual']:.2f}x {d['api'][:4]} {d['arrival'][:5]} "
                 f"{d['tenants']}t",
                 fmt(100 * d["oracle_hit_rate"]),
                 *cells,
+                pred_actual,
             ]
         )
-    lines.append(table(["draw (seed regime capacity api arrival tenants)", "oracle %", *routers], rows))
+    lines.append(
+        table(
+            [
+                "draw (seed regime capacity api arrival tenants)",
+                "oracle %",
+                *routers,
+                "kvstrata pred/actual %",
+            ],
+            rows,
+        )
+    )
     for regime_name, sec in payload["pooled"].items():
         lines.append(
             f"{regime_name}: {sec['draws']} draws; kvstrata hit ≥ best peer in {sec['hit_ge_best_peer_draws']}, "

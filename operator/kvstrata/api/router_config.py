@@ -49,6 +49,9 @@ WEIGHT_CACHE_ROOM: Final = 1.0
 # The history scorer: a prompt goes back to its group's home unless the estimated prefill wait there is more
 # than twice that of an idle engine (prefill scores are cheapest / cost, so a gap above 0.5).
 WEIGHT_HISTORY: Final = 0.5
+# Fit and history pull equally: a group's home that no longer fits it and an engine it fits tie, and
+# the prefill estimate decides.
+WEIGHT_FIT: Final = 0.5
 WEIGHT_RECENT: Final = 0.3
 QUEUE_WEIGHT: Final = 0.25
 # Tier credit defaults: share of a block's prefill a hit in that tier saves.
@@ -104,6 +107,11 @@ class Weights(_Wire):
         ge=0,
         description="A prompt no engine holds goes back to the engine that held and evicted it",
     )
+    fit: float = Field(
+        WEIGHT_FIT,
+        ge=0,
+        description="Prefer an engine whose KV pool holds its recent demand plus this prompt",
+    )
     recent: float = Field(
         WEIGHT_RECENT,
         ge=0,
@@ -142,6 +150,12 @@ class RouterSettings(_Wire):
         ge=0,
         description="...or more than mean + this many in-flight requests, whichever is larger: at low "
         "concurrency a factor alone spills a prefix group onto engines that miss",
+    )
+    fit_window_seconds: float = Field(
+        30.0,
+        gt=0,
+        description="Fit scorer: blocks routed to an engine in this many seconds are its demand (a few "
+        "chat turns of one conversation, so a prefix group's users overlap)",
     )
     recent_window_seconds: float = Field(
         10.0,

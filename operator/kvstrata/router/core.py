@@ -337,8 +337,9 @@ class Router:
         prefix elsewhere, which recomputes it (seen in `make bench-router` at TTFT > 5 s)."""
         if decision.routed:
             now = time.monotonic()
+            hashes = () if decision.approximate else decision.hashes
             for scorer, _ in self.scorers:
-                scorer.on_routed(ep, now)
+                scorer.on_routed(ep, now, hashes)
         if not decision.hashes:
             return
         if decision.approximate:

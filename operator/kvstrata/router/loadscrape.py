@@ -32,12 +32,13 @@ class EngineLoad:
     running: float = 0.0
     waiting: float = 0.0
     kv_usage: float = 0.0
+    kv_blocks: int = 0  # the KV pool's size in blocks (0: not reported)
 
 
 def parse_load(text: str) -> EngineLoad:
     """Sum each gauge over its label sets (one per engine core / DP rank); KV usage is the max."""
     g = scan_load_gauges(text)
-    return EngineLoad(sum(g.running), sum(g.waiting), max(g.kv_usage, default=0.0))
+    return EngineLoad(sum(g.running), sum(g.waiting), max(g.kv_usage, default=0.0), sum(g.kv_blocks))
 
 
 class LoadScraper:
@@ -110,6 +111,7 @@ class LoadScraper:
         if text:
             load = parse_load(text)
             ep.running, ep.waiting, ep.kv_usage, ep.scraped = load.running, load.waiting, load.kv_usage, True
+            ep.kv_blocks = load.kv_blocks
 
     def _failed(self, ep: Endpoint, kind: FailureKind) -> None:
         ep.failures += 1

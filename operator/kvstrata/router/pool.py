@@ -27,6 +27,7 @@ class Endpoint:
     running: float = 0.0
     waiting: float = 0.0
     kv_usage: float = 0.0
+    kv_blocks: int = 0  # KV pool size in blocks, from the engine's metrics (0: unknown)
     failures: int = 0
     scraped: bool = False
     extra: dict[str, object] = field(default_factory=dict)

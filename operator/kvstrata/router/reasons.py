@@ -15,6 +15,7 @@ class Reason(StrEnum):
     RECENT = "recent"  # fewer live conversations decided it
     CACHE_ROOM = "cache-room"  # a new prefix went where the cache has most room
     HISTORY = "history"  # an evicted prefix went back to the engine that held it
+    FIT = "fit"  # the prompt fits in this engine's pool beside what it serves now
     LOAD = "load"  # the weighted totals differed otherwise
     TIE_HASH = "tie-hash"  # equal totals: the rendezvous hash of the prompt's first block
     PREFIX_HASH = "prefix-hash"

@@ -18,6 +18,7 @@ from kvstrata.router.scoring import (
     SCORERS,
     BoundedLoadFilter,
     CacheRoomScorer,
+    FitScorer,
     KvUsageScorer,
     LoadScorer,
     PrefillCostScorer,
@@ -371,3 +372,35 @@ async def test_an_evicted_prefix_goes_back_to_the_engine_that_held_it() -> None:
     home.pending_prefill = 10_000
     busy = await r.decide(_req(tokens))
     assert busy.order[0] is not home and busy.order[0] in eps
+
+
+def test_fit_scorer_packs_groups_where_they_fit_and_spares_engines_that_fit() -> None:
+    fit = FitScorer(window_s=30.0)
+    a, b, c = ep("a", kv_blocks=10), ep("b", kv_blocks=10), ep("c", kv_blocks=10)
+    fit.on_routed(a, 100.0, list(range(8)))  # 8 of 10 blocks in demand
+    fit.on_routed(b, 100.0, list(range(100, 103)))  # 3 of 10
+    fit.on_routed(c, 100.0, list(range(200, 215)))  # 15: over its pool already, thrashing
+    cold = RouteRequest(hashes=[900, 901, 902, 903], now=101.0)
+    # b fits the 4 new blocks; c thrashes anyway; a would be pushed from fitting into thrashing.
+    assert fit.score(cold, [a, b, c]) == [0.0, 1.0, 0.5]
+    # The blocks a prompt shares with what an engine holds are not added again.
+    held = RouteRequest(hashes=[0, 1, 2, 3, 904], matches={"a": PrefixMatch(4, gpu=4)}, now=101.0)
+    assert fit.score(held, [a, c]) == [1.0, 0.5]
+    # Demand fades with the window; unknown pool sizes or equal scores say nothing.
+    assert fit.demand_blocks(a, 200.0) == 0
+    assert fit.score(cold, [a, ep("x")]) == [0.0, 0.0]
+    assert fit.score(RouteRequest(hashes=[1], now=200.0), [a, b]) == [0.0, 0.0]
+    fit.on_removed(c)
+    assert fit.demand_blocks(c, 101.0) == 0
+
+
+def test_fit_demand_counts_distinct_blocks_and_stays_bounded() -> None:
+    fit = FitScorer(window_s=30.0)
+    a = ep("a", kv_blocks=8)
+    fit.on_routed(a, 1.0, [1, 2, 3])
+    fit.on_routed(a, 2.0, [1, 2, 3, 4])  # a group's second user: only the new block adds demand
+    assert fit.demand_blocks(a, 3.0) == 4
+    fit.on_routed(a, 40.0, [1])  # refreshed: block 1 stays in demand, 2-4 age out
+    assert fit.demand_blocks(a, 40.0) == 1
+    fit.on_routed(a, 41.0, list(range(10_000)))
+    assert len(fit.demand["a"]) == 4 * 1024

@@ -50,3 +50,14 @@ async def test_scrape_load_and_health(metrics_text: str) -> None:
         assert (ep.waiting, ep.running, ep.scraped) == (3.0, 0.0, True)
         assert ep.load == 3.0
     await runner.cleanup()
+
+
+def test_pool_size_comes_from_the_cache_config_info_label() -> None:
+    from pathlib import Path
+
+    from kvstrata.router.loadscrape import parse_load
+
+    sample = Path(__file__).resolve().parents[3] / "fixtures" / "status-vllm-0.32.0-metrics-sample.txt"
+    assert parse_load(sample.read_text()).kv_blocks == 320  # the real engine's num_gpu_blocks="320"
+    assert parse_load('vllm:cache_config_info{engine="0",num_gpu_blocks="None"} 1.0').kv_blocks == 0
+    assert parse_load("vllm:num_requests_running 2.0").kv_blocks == 0
