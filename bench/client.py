@@ -53,7 +53,8 @@ def _content(event: dict[str, Any]) -> str | None:
     if not choices:
         return None
     first = choices[0]
-    return first.get("text") or (first.get("delta") or {}).get("content")
+    text = first.get("text") or (first.get("delta") or {}).get("content")
+    return text if isinstance(text, str) else None
 
 
 async def _one(

@@ -224,9 +224,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 # Rotate: the machine's load drifts, so no router always goes first.
                 for name in routers[k % len(routers) :] + routers[: k % len(routers)]:
                     print(f"- {name}", flush=True)
-                    rows[name] = _row(
-                        name, _run_router(procs, name, workers, cfg, engines, p.workload, run_args)
-                    )
+                    outcome = _run_router(procs, name, workers, cfg, engines, p.workload, run_args)
+                    # Where _run_router saved the router's /metrics.
+                    metrics = args.workdir / "logs" / f"{name.replace('/', '_')}.metrics.txt"
+                    rows[name] = _row(name, outcome, metrics)
         finally:
             if quotas is not None:
                 quotas.close()

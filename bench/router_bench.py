@@ -17,12 +17,13 @@ import asyncio
 import math
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 from bench import engine_metrics as em
-from bench.client import Result, run_conversations
+from bench.client import Result, Scripted, run_conversations
 from bench.cpuquota import CpuQuotas, QuotaUnavailable, cgroup_root
 from bench.procs import BenchError, ProcGroup, bench_main, wait_until
 from bench.report import fmt, group_cpu_seconds, machine, mean, percentile, table
@@ -212,7 +213,7 @@ class _Workload:
     """One seed's conversations, their schedule (None = closed loop) and what the header reports."""
 
     seed: int
-    convs: list[Conversation]
+    convs: Sequence[Conversation | Scripted]
     plan: list[Arrival] | None
     info: dict[str, Any]
 
