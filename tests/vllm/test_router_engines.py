@@ -228,6 +228,18 @@ class EventTap:
 
 
 # --- tests -------------------------------------------------------------------------------------------
+def test_the_router_knows_each_engine_pool_size(stack: Stack) -> None:
+    """The fit scorer's pool sizes are the engines' own num_gpu_blocks, read from their metrics."""
+    for e in stack.engines:
+        pool = re.search(r'vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"', e.metrics())
+        assert pool, "the engine no longer exports num_gpu_blocks in vllm:cache_config_info"
+        name = f'kvstrata_router_endpoint_kv_blocks{{endpoint="{e.base_url}"}}'
+        deadline = time.monotonic() + 10  # scraped every second
+        while router_metric(stack, name) == 0 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert router_metric(stack, name) == int(pool.group(1)) > 0
+
+
 def test_local_tokenization_matches_the_engine(stack: Stack) -> None:
     eng = stack.engines[0]
     prompt = text(1, 120)

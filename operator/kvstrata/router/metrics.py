@@ -102,6 +102,12 @@ class RouterMetrics:
         self.ejected = Gauge(
             f"{p}_ejected", "1 while the endpoint is ejected from rotation", ["endpoint"], registry=r
         )
+        self.kv_blocks = Gauge(
+            f"{p}_endpoint_kv_blocks",
+            "Each endpoint's KV pool in blocks, from its vllm:cache_config_info (0: not known yet)",
+            ["endpoint"],
+            registry=r,
+        )
         self.ejections = Counter(
             f"{p}_ejections", "Outlier ejections by endpoint and the failure that tipped it", ["endpoint", "reason"],
             registry=r,
@@ -122,9 +128,10 @@ class RouterMetrics:
     def track_endpoint(self, ep: Endpoint, ejected: Callable[[], float]) -> None:
         self.in_flight.labels(ep.url).set_function(lambda: ep.in_flight)
         self.ejected.labels(ep.url).set_function(ejected)
+        self.kv_blocks.labels(ep.url).set_function(lambda: ep.kv_blocks)
 
     def forget_endpoint(self, url: str) -> None:
-        for gauge in (self.in_flight, self.ejected):
+        for gauge in (self.in_flight, self.ejected, self.kv_blocks):
             with contextlib.suppress(KeyError):
                 gauge.remove(url)
 
