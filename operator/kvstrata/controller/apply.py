@@ -109,7 +109,7 @@ class Applier:
             try:
                 result.applied.append(self.kube.apply(obj, self.manager))
             except KubeError as err:
-                if obj["kind"] == "StatefulSet" and err.status == 422 and "Forbidden" in err.message:
+                if obj["kind"] == "StatefulSet" and err.immutable_field_change:
                     # An immutable field we did not foresee: same remedy as for claim templates.
                     self._orphan_delete(obj, result)
                     result.applied.append(self.kube.apply(obj, self.manager))

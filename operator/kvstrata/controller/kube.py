@@ -48,14 +48,64 @@ MERGE = "application/merge-patch+json"
 TIMEOUT = (5.0, 30.0)
 
 
-class KubeError(Exception):
-    """An API call failed. `status` is the HTTP status, 0 when the apiserver could not be reached."""
+# k8s.io/apimachinery/pkg/api/validation.FieldImmutableErrorMsg: a constant of the API, not free text.
+FIELD_IMMUTABLE = "field is immutable"
 
-    def __init__(self, status: int, reason: str, message: str, verb: str = "", path: str = "") -> None:
+
+@dataclass(frozen=True)
+class Cause:
+    """One entry of a Status's ``details.causes``: ``reason`` is a CauseType such as
+    ``FieldValueForbidden`` or ``FieldValueInvalid``, ``field`` the JSON path it is about."""
+
+    reason: str
+    field: str = ""
+    message: str = ""
+
+
+def status_causes(status_obj: object) -> tuple[Cause, ...]:
+    details = status_obj.get("details") if isinstance(status_obj, dict) else None
+    causes = details.get("causes") if isinstance(details, dict) else None
+    if not isinstance(causes, list):
+        return ()
+    return tuple(
+        Cause(str(c.get("reason", "")), str(c.get("field", "")), str(c.get("message", "")))
+        for c in causes
+        if isinstance(c, dict)
+    )
+
+
+class KubeError(Exception):
+    """An API call failed. `status` is the HTTP status, 0 when the apiserver could not be reached;
+    `causes` are the Status's typed causes (empty when it gave none)."""
+
+    def __init__(
+        self,
+        status: int,
+        reason: str,
+        message: str,
+        verb: str = "",
+        path: str = "",
+        causes: tuple[Cause, ...] = (),
+    ) -> None:
         super().__init__(f"{verb} {path}: {status} {reason}: {message}".strip())
         self.status = status
         self.reason = reason
         self.message = message
+        self.causes = causes
+
+    @property
+    def immutable_field_change(self) -> bool:
+        """422 because a field may not be changed once set. kube-apiserver 1.37 answers a StatefulSet
+        change of serviceName, selector, podManagementPolicy or volumeClaimTemplates with a
+        ``FieldValueInvalid`` cause on that field whose message is apimachinery's
+        ``FieldImmutableErrorMsg`` (tests/integration/test_kube_errors.py); older servers answered one
+        ``FieldValueForbidden`` cause on ``spec`` ("updates to statefulset spec for fields other than
+        ... are forbidden"), which the previous text match looked for and 1.37 never sends."""
+        return self.status == 422 and any(
+            c.reason == "FieldValueForbidden"
+            or (c.reason == "FieldValueInvalid" and c.message.endswith(FIELD_IMMUTABLE))
+            for c in self.causes
+        )
 
     @property
     def retryable(self) -> bool:
@@ -169,13 +219,15 @@ class Kube:
         if not 200 <= resp.status < 300:
             message = data.decode(errors="replace")
             reason = resp.reason or ""
+            causes: tuple[Cause, ...] = ()
             try:
                 status_obj = json.loads(data)
                 message = status_obj.get("message", message)
                 reason = status_obj.get("reason", reason)
+                causes = status_causes(status_obj)
             except ValueError:
                 pass
-            raise KubeError(resp.status, reason, message, method, path)
+            raise KubeError(resp.status, reason, message, method, path, causes)
         return json.loads(data) if data else {}
 
     # ------------------------------------------------------------------------------------- verbs

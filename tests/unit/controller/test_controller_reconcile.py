@@ -263,3 +263,26 @@ def test_store_ignores_an_older_child_than_it_has_seen() -> None:
     assert store.observe_child("StatefulSet", sts("10", 0)) is None
     _, observed, _, _ = store.snapshot(("ns", "a"))
     assert observed.sts is not None and observed.sts.observed_generation == 1
+
+
+def test_immutable_field_changes_are_read_from_typed_causes() -> None:
+    from kvstrata.controller.kube import FIELD_IMMUTABLE, Cause, status_causes
+
+    status = {
+        "kind": "Status",
+        "code": 422,
+        "details": {"causes": [{"reason": "FieldValueInvalid", "field": "spec.selector", "message": f"x: {FIELD_IMMUTABLE}"}]},
+    }  # fmt: skip
+    causes = status_causes(status)
+    assert causes == (Cause("FieldValueInvalid", "spec.selector", f"x: {FIELD_IMMUTABLE}"),)
+    assert KubeError(422, "Invalid", "m", causes=causes).immutable_field_change
+    assert KubeError(
+        422, "Invalid", "m", causes=(Cause("FieldValueForbidden", "spec"),)
+    ).immutable_field_change
+    # The text alone decides nothing, and other 422s are not immutability.
+    assert not KubeError(422, "Invalid", f"Forbidden: {FIELD_IMMUTABLE}").immutable_field_change
+    assert not KubeError(
+        422, "Invalid", "m", causes=(Cause("FieldValueInvalid", "spec.replicas", "must be >= 0"),)
+    ).immutable_field_change
+    assert not KubeError(409, "Conflict", "m", causes=causes).immutable_field_change
+    assert status_causes({"details": {"causes": "no"}}) == () and status_causes(None) == ()
