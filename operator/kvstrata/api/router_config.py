@@ -228,11 +228,13 @@ class RouterSettings(_Wire):
     )
     ejection_max_seconds: float = Field(300.0, gt=0, description="Longest ejection")
     max_ejection_percent: int = Field(
-        100,
+        50,
         ge=0,
         le=100,
-        description="At most this share of engines ejected at once; at 100 every engine can be, and "
-        "requests then get a fast 503",
+        description="At most this share of engines ejected at once, but always at least one (Envoy's "
+        "rule). When most engines fail together the cause is usually shared (overload): waiting on a "
+        "slow engine beats failing every request. At 100 every engine can be, and requests then get a "
+        "fast 503",
     )
     max_body_bytes: int = Field(
         64 * 1024**2, gt=0, description="Request body bound, before and after decompression (413 past it)"

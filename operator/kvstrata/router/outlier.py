@@ -163,7 +163,7 @@ class OutlierDetector:
             return True
         n = self.pool_size()
         out = sum(1 for url, st in self._states.items() if url != ep.url and st.until > now)
-        return out + 1 <= math.floor(n * self.max_percent / 100)
+        return out + 1 <= max(1, math.floor(n * self.max_percent / 100))
 
     def _eject(self, ep: Endpoint, st: EjectionState, kind: FailureKind, now: float) -> None:
         if st.returned_at and not st.until:

@@ -190,7 +190,8 @@ async def test_every_engine_wedged_fails_fast_with_503(
     make_router: RouterFactory, wedged: Callable[[], Any]
 ) -> None:
     ws = [await wedged() for _ in range(3)]
-    h = await make_router([w.url for w in ws], ejectionConsecutiveFailures=1, **FAST)
+    # Every engine may be ejected (the default keeps half in rotation: see the next test).
+    h = await make_router([w.url for w in ws], ejectionConsecutiveFailures=1, maxEjectionPercent=100, **FAST)
     # The first request pays one first-byte timeout per engine it tries (not 3 × 600 s)...
     t0 = time.monotonic()
     status, _, raw = await h.post("/v1/completions", completion(stream=True))
@@ -253,6 +254,18 @@ def test_ejection_backs_off_probes_back_and_decays() -> None:
     now[0] = 105.0
     ep.failures = 3
     assert det.ejected(ep) and det.remaining(ep) == 20
+
+
+def test_by_default_half_stay_in_rotation_but_one_can_always_go() -> None:
+    """Envoy's rule: a cap on the share ejected, yet at least one engine ejectable."""
+    for n, most in ((1, 1), (2, 1), (3, 1), (4, 2), (7, 3)):
+        det = OutlierDetector(
+            RouterSettings(model=MODEL, ejection_consecutive_failures=1), pool_size=lambda n=n: n
+        )
+        eps = [Endpoint(EndpointSpec(f"http://e{i}")) for i in range(n)]
+        for e in eps:
+            det.failure(e, FailureKind.CONNECT_ERROR)
+        assert sum(det.ejected(e) for e in eps) == most, n
 
 
 def test_max_ejection_percent_keeps_some_in_rotation() -> None:
