@@ -78,6 +78,11 @@ class Router:
         if tokenizer is None and settings.tokenizer:
             tokenizer = LocalTokenizer(settings.tokenizer)
         self.tokenizer = tokenizer
+        if isinstance(tokenizer, LocalTokenizer):
+            # Proved and self-tested now, not in the first requests' routing time.
+            for specials in (True, False):
+                enc = tokenizer.incremental(specials, settings.block_size, settings.hash_algo)
+            log.info("incremental tokenization: %s", enc.reason)
         self.work = WorkPools(
             settings.tokenizer_threads, settings.large_prompt_chars, settings.large_prompt_queue
         )
@@ -121,17 +126,43 @@ class Router:
         ep.healthy = False
         self._forget(ep)
 
+    def tokenizer_state(self) -> dict[str, Any] | None:
+        """For /kvstrata/state: whether prompts are cut (and why or why not), and the chunk cache."""
+        if not isinstance(self.tokenizer, LocalTokenizer):
+            return None
+        s = self.settings
+        return {
+            "completion": self.tokenizer.incremental(True, s.block_size, s.hash_algo).stats(),
+            "chat": self.tokenizer.incremental(False, s.block_size, s.hash_algo).stats(),
+        }
+
     # --- prompt → hashes -------------------------------------------------------------------------
     def _hash_tokens(self, ids: Sequence[int]) -> tuple[int, list[int]]:
         return len(ids), block_hashes(ids, self.settings.block_size, self.settings.hash_algo)
 
+    def _incremental(self, text: str, add_special_tokens: bool) -> tuple[int, list[int]] | None:
+        """Tokens and hashes by the incremental encoder, or None for a tokenizer without one (a
+        stand-in in tests)."""
+        make = getattr(self.tokenizer, "incremental", None)
+        if make is None:
+            return None
+        s = self.settings
+        got = make(add_special_tokens, s.block_size, s.hash_algo).encode(text)
+        if got.reused_chars:
+            self.metrics.prompt_chars.labels("reused").inc(got.reused_chars)
+        self.metrics.prompt_chars.labels("tokenized").inc(len(text) - got.reused_chars)
+        return int(got.tokens), list(got.hashes)
+
     def _hash_completion(self, text: str) -> tuple[int, list[int]]:
         assert self.tokenizer is not None
-        return self._hash_tokens(self.tokenizer.encode_completion(text))
+        return self._incremental(text, True) or self._hash_tokens(self.tokenizer.encode_completion(text))
 
     def _hash_chat(self, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> tuple[int, list[int]]:
         assert self.tokenizer is not None
-        return self._hash_tokens(self.tokenizer.encode_chat(messages, **kwargs))
+        # The rendered conversation extends the previous turn's: the same cut, on the rendered text.
+        rendered = self.tokenizer.render_chat(messages, **kwargs)
+        got = self._incremental(rendered, False)
+        return got or self._hash_tokens(self.tokenizer.encode_chat(messages, **kwargs))
 
     async def _offload(self, size: int, fn: Any, *args: Any) -> Any:
         return await self.work.run(size, fn, *args)

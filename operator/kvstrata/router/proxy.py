@@ -443,6 +443,7 @@ class Proxy:
             "indexEvictions": router.index.evictions,
             "endpoints": endpoints,
             "staleIndexEndpoints": stale,
+            "incrementalTokenization": router.tokenizer_state(),
         }
         return web.json_response(body)
 
