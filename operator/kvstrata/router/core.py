@@ -374,10 +374,16 @@ class Router:
         if decision.approximate:
             self.approx.predict(ep.url, decision.hashes, self.settings.approx_ttl_seconds)
         else:
-            self.index.predict(ep.url, decision.hashes, self.settings.upstream_timeout_seconds)
+            decision.prediction = self.index.predict(
+                ep.url, decision.hashes, self.settings.upstream_timeout_seconds
+            )
 
     def settle(self, decision: Decision, ep: Endpoint) -> None:
         """The request's prefill is over (first token, or the attempt ended): the engine's events now
         confirm its blocks within moments, so unconfirmed predictions get the short TTL."""
         if decision.hashes and not decision.approximate:
-            self.index.predict(ep.url, decision.hashes, self.settings.prediction_ttl_seconds)
+            pred = decision.prediction
+            if pred is not None and pred.endpoint == ep.url:
+                self.index.retime(pred, self.settings.prediction_ttl_seconds)
+            else:
+                self.index.predict(ep.url, decision.hashes, self.settings.prediction_ttl_seconds)

@@ -17,16 +17,31 @@ engine cannot push every other engine out of the index. Evictions are counted.
 from __future__ import annotations
 
 import heapq
+import itertools
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, Protocol
+from operator import itemgetter
+from typing import Any, NamedTuple, Protocol, cast
 
 from kvstrata.router.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 GPU, CPU, STORAGE, PREDICTED = 1, 2, 4, 8
 REAL = GPU | CPU | STORAGE
 _MEDIUM_BIT = {"GPU": GPU, "CPU": CPU, "STORAGE": STORAGE}
+_MASK = itemgetter(0)
+
+
+class Prediction:
+    """One predict() call's expiry, shared by the blocks it predicted: re-timing it (a request's
+    prefill ended) is one assignment, not a walk over a long prompt's blocks."""
+
+    __slots__ = ("endpoint", "expires", "hashes")
+
+    def __init__(self, endpoint: str, expires: float, hashes: tuple[int, ...]) -> None:
+        self.endpoint = endpoint
+        self.expires = expires
+        self.hashes = hashes
 
 
 class PrefixMatch(NamedTuple):
@@ -42,7 +57,7 @@ class PrefixMatch(NamedTuple):
 class PrefixIndex(Protocol):
     def lookup(self, hashes: Sequence[int]) -> dict[str, PrefixMatch]: ...
     def apply(self, endpoint: str, event: KVEvent) -> None: ...
-    def predict(self, endpoint: str, hashes: Sequence[int], ttl: float) -> None: ...
+    def predict(self, endpoint: str, hashes: Sequence[int], ttl: float) -> Prediction | None: ...
     def drop_endpoint(self, endpoint: str) -> None: ...
     def __len__(self) -> int: ...
 
@@ -55,12 +70,15 @@ class BlockIndex:
             raise ValueError("max_blocks must be >= 1")
         self.max_blocks = max_blocks
         self._clock = clock
-        # endpoint -> hash -> [mask, prediction expiry (0.0 = none)]; order = least recently touched first
-        self._eps: dict[str, OrderedDict[int, list[float]]] = {}
-        # Min-heap of (expiry, endpoint, hash). Expiries differ per call (a request in flight is predicted
+        # endpoint -> hash -> [mask, Prediction or None]; order = least recently touched first
+        self._eps: dict[str, OrderedDict[int, list[Any]]] = {}
+        # Min-heap of (expiry, seq, endpoint, hashes): one record per predict() call, not per block (a
+        # 128K-token prompt is 4,096 blocks). Expiries differ per call (a request in flight is predicted
         # until its first token, then for the short TTL), so a FIFO would not be in expiry order. Refreshes
-        # leave stale tuples; past 2 × max_blocks the heap is rebuilt from live predictions.
-        self._predictions: list[tuple[float, str, int]] = []
+        # leave stale records; past 2 × max_blocks hashes in them the heap is rebuilt from live predictions.
+        self._predictions: list[tuple[float, int, Prediction]] = []
+        self._predicted_hashes = 0
+        self._seq = itertools.count()
         self._size = 0
         self.evictions = 0
 
@@ -75,35 +93,37 @@ class BlockIndex:
 
     # --- reads -----------------------------------------------------------------------------------
     def lookup(self, hashes: Sequence[int]) -> dict[str, PrefixMatch]:
-        """Per endpoint with at least one matching leading block: the matched prefix and its tiers."""
+        """Per endpoint with at least one matching leading block: the matched prefix and its tiers.
+
+        The per-block work runs in C (``map``, ``list.index``, ``Counter``): a long prompt's walk costs
+        tens of nanoseconds per block, not a Python loop iteration."""
         if not hashes:
             return {}
         now = self._clock()
-        self._expire(now)
+        self._expire(now)  # after this no entry holds an expired prediction
         out: dict[str, PrefixMatch] = {}
         for ep, blocks in self._eps.items():
+            if hashes[0] not in blocks:
+                continue
+            entries = list(map(blocks.get, hashes))
+            try:
+                n = entries.index(None)
+            except ValueError:
+                n = len(entries)
+            masks = Counter(map(_MASK, cast("list[list[Any]]", entries[:n])))
             gpu = cpu = storage = predicted = 0
-            for h in hashes:
-                entry = blocks.get(h)
-                if entry is None:
-                    break
-                mask = int(entry[0])
-                if mask & GPU:
-                    gpu += 1
-                elif mask & CPU:
-                    cpu += 1
-                elif mask & STORAGE:
-                    storage += 1
-                elif entry[1] > now:
-                    predicted += 1
+            for mask, count in masks.items():
+                m = int(mask)
+                if m & GPU:
+                    gpu += count
+                elif m & CPU:
+                    cpu += count
+                elif m & STORAGE:
+                    storage += count
                 else:
-                    del blocks[h]
-                    self._size -= 1
-                    break
-                blocks.move_to_end(h)
-            n = gpu + cpu + storage + predicted
-            if n:
-                out[ep] = PrefixMatch(n, gpu, cpu, storage, predicted)
+                    predicted += count
+            deque(map(blocks.move_to_end, hashes[:n]), maxlen=0)  # touched: most recently used
+            out[ep] = PrefixMatch(n, gpu, cpu, storage, predicted)
         return out
 
     # --- writes ----------------------------------------------------------------------------------
@@ -114,12 +134,12 @@ class BlockIndex:
             for h in event.block_hashes:
                 entry = blocks.get(h)
                 if entry is None:
-                    blocks[h] = [bit, 0.0]
+                    blocks[h] = [bit, None]
                     self._size += 1
                 else:
                     # Confirmed: the prediction (if any) is now a fact.
                     entry[0] = (int(entry[0]) | bit) & REAL
-                    entry[1] = 0.0
+                    entry[1] = None
                     blocks.move_to_end(h)
             self._enforce_bound()
         elif isinstance(event, BlockRemoved):
@@ -141,26 +161,43 @@ class BlockIndex:
         elif isinstance(event, AllBlocksCleared):
             self._clear(endpoint)
 
-    def predict(self, endpoint: str, hashes: Sequence[int], ttl: float) -> None:
+    def predict(self, endpoint: str, hashes: Sequence[int], ttl: float) -> Prediction | None:
+        """Record that ``endpoint`` will hold ``hashes`` (until confirmed, or ``ttl`` from now)."""
         if not hashes:
-            return
+            return None
         now = self._clock()
         self._expire(now)
-        expires = now + ttl
+        pred = Prediction(endpoint, now + ttl, tuple(hashes))
         blocks = self._blocks(endpoint)
-        for h in hashes:
-            entry = blocks.get(h)
-            if entry is None:
-                blocks[h] = [PREDICTED, expires]
-                self._size += 1
-            else:
-                if not int(entry[0]) & REAL:
-                    entry[1] = expires
-                blocks.move_to_end(h)
-            heapq.heappush(self._predictions, (expires, endpoint, h))
-        if len(self._predictions) > 2 * self.max_blocks:
-            self._compact_predictions()
+        entries = list(map(blocks.get, hashes))
+        for entry in entries:
+            if entry is not None and not int(entry[0]) & REAL:
+                entry[1] = pred
+        if None in entries:
+            missing = [h for h, e in zip(hashes, entries, strict=True) if e is None]
+            deque(map(blocks.move_to_end, (h for h, e in zip(hashes, entries, strict=True) if e)), maxlen=0)
+            for h in missing:
+                blocks[h] = [PREDICTED, pred]
+            self._size += len(missing)
+        else:  # the usual case for a prompt sent before: every block known, touched in C
+            deque(map(blocks.move_to_end, hashes), maxlen=0)
+        self._push(pred)
         self._enforce_bound()
+        return pred
+
+    def retime(self, pred: Prediction, ttl: float) -> None:
+        """Give the blocks still held by ``pred`` (not confirmed, not predicted again since) a new
+        expiry ``ttl`` from now: O(1) whatever the prompt's length."""
+        now = self._clock()
+        self._expire(now)
+        pred.expires = now + ttl
+        self._push(pred)
+
+    def _push(self, pred: Prediction) -> None:
+        heapq.heappush(self._predictions, (pred.expires, next(self._seq), pred))
+        self._predicted_hashes += len(pred.hashes)
+        if self._predicted_hashes > 2 * self.max_blocks:
+            self._compact_predictions()
 
     def drop_endpoint(self, endpoint: str) -> None:
         blocks = self._eps.pop(endpoint, None)
@@ -168,7 +205,7 @@ class BlockIndex:
             self._size -= len(blocks)
 
     # --- internals -------------------------------------------------------------------------------
-    def _blocks(self, endpoint: str) -> OrderedDict[int, list[float]]:
+    def _blocks(self, endpoint: str) -> OrderedDict[int, list[Any]]:
         blocks = self._eps.get(endpoint)
         if blocks is None:
             blocks = self._eps[endpoint] = OrderedDict()
@@ -181,27 +218,35 @@ class BlockIndex:
             blocks.clear()
 
     def _compact_predictions(self) -> None:
-        """Rebuild the heap from live predictions: refreshed ones leave stale tuples behind."""
-        self._predictions = [
-            (entry[1], ep, h)
-            for ep, blocks in self._eps.items()
-            for h, entry in blocks.items()
-            if entry[0] == PREDICTED
-        ]
+        """Rebuild the heap from live predictions: refreshed ones leave stale records behind."""
+        live: dict[int, tuple[Prediction, list[int]]] = {}
+        for blocks in self._eps.values():
+            for h, entry in blocks.items():
+                pred = entry[1]
+                if entry[0] == PREDICTED and pred is not None:
+                    live.setdefault(id(pred), (pred, []))[1].append(h)
+        self._predictions = []
+        for pred, hs in live.values():
+            pred.hashes = tuple(hs)
+            self._predictions.append((pred.expires, next(self._seq), pred))
+        self._predicted_hashes = sum(len(p.hashes) for _, _, p in self._predictions)
         heapq.heapify(self._predictions)
 
     def _expire(self, now: float) -> None:
         preds = self._predictions
         while preds and preds[0][0] <= now:
-            expires, ep, h = heapq.heappop(preds)
-            blocks = self._eps.get(ep)
+            expires, _, pred = heapq.heappop(preds)
+            self._predicted_hashes -= len(pred.hashes)
+            if pred.expires != expires:
+                continue  # re-timed since: a later record stands for it
+            blocks = self._eps.get(pred.endpoint)
             if blocks is None:
                 continue
-            entry = blocks.get(h)
             # Only the prediction that set this expiry may remove it; confirmed entries have mask bits.
-            if entry is not None and entry[0] == PREDICTED and entry[1] == expires:
-                del blocks[h]
-                self._size -= 1
+            for h, entry in zip(pred.hashes, map(blocks.get, pred.hashes), strict=True):
+                if entry is not None and entry[0] == PREDICTED and entry[1] is pred:
+                    del blocks[h]
+                    self._size -= 1
 
     def _enforce_bound(self) -> None:
         while self._size > self.max_blocks:
