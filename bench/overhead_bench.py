@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 
 from bench import nginx_backend
 from bench.procs import BenchError, ProcGroup, bench_main
-from bench.report import fmt, machine, percentile, table
+from bench.report import fmt, group_cpu_seconds, machine, percentile, table
 from bench.routers import RouterConfig, Worker, start_router
 
 DEFAULT_ROUTERS = ("kvstrata/kv-aware", "sglang-router/cache_aware", "vllm-router/cache_aware")
@@ -108,13 +108,17 @@ def _body(prompt: str) -> bytes:
     return json.dumps({"model": nginx_backend.MODEL, "prompt": prompt, "max_tokens": 16}).encode()
 
 
-def _measure(direct_url: str, router_url: str, prompts: list[str], warm: str | None) -> dict[str, Any]:
+def _measure(
+    direct_url: str, router_url: str, prompts: list[str], warm: str | None, pgid: int
+) -> dict[str, Any]:
     direct, routed = _conn(direct_url), _conn(router_url)
     added: list[float] = []
     errors = 0
+    cpu = 0.0
     try:
         if warm is not None:  # the conversation's first turn, untimed
             _post(routed, _body(warm))
+        cpu0 = group_cpu_seconds(pgid)
         for p in prompts:
             body = _body(p)
             s1, t_direct = _post(direct, body)
@@ -123,6 +127,7 @@ def _measure(direct_url: str, router_url: str, prompts: list[str], warm: str | N
                 errors += 1
                 continue
             added.append((t_router - t_direct) * 1e3)
+        cpu = group_cpu_seconds(pgid) - cpu0
     finally:
         direct.close()
         routed.close()
@@ -133,6 +138,9 @@ def _measure(direct_url: str, router_url: str, prompts: list[str], warm: str | N
         "p10_ms": _r(percentile(added, 10)),
         "p50_ms": _r(percentile(added, 50)),
         "p90_ms": _r(percentile(added, 90)),
+        # The router's own CPU (all its threads) per request: unlike latency, barely moved by the
+        # rest of the machine's load. Clock ticks: 10 ms resolution, summed over the cell.
+        "router_cpu_ms_per_req": round(cpu / len(prompts) * 1e3, 2) if prompts else None,
     }
 
 
@@ -180,17 +188,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             running = None
             try:
                 running = start_router(procs, name, [Worker(u) for u in backend.json_urls], cfg)
+                pgid = running.proc.popen.pid
                 for n in sizes:
                     for mode in MODES:
                         if mode == "cold":
-                            row = _measure(direct_url, running.url, cold[n], None)
+                            row = _measure(direct_url, running.url, cold[n], None, pgid)
                         else:
-                            row = _measure(direct_url, running.url, convs[n][1], convs[n][0])
+                            row = _measure(direct_url, running.url, convs[n][1], convs[n][0], pgid)
                         row.update(router=name, tokens=n, mode=mode)
                         results.append(row)
                         print(
                             f"  {name:28} {n:>7} tokens {mode:6} added p50 {fmt(row['p50_ms'], 2)} ms"
-                            f"  p90 {fmt(row['p90_ms'], 2)} ms  errors {row['errors']}",
+                            f"  p90 {fmt(row['p90_ms'], 2)} ms  cpu/req {fmt(row['router_cpu_ms_per_req'], 2)} ms"
+                            f"  errors {row['errors']}",
                             flush=True,
                         )
             except BenchError as exc:
@@ -226,19 +236,23 @@ def render(payload: dict[str, Any]) -> str:
         if r["router"] not in routers:
             routers.append(r["router"])
         rows_by.setdefault((r["tokens"], r["mode"]), {})[r["router"]] = r
-    headers = ["tokens", "mode", "engine tokenize ms"] + [f"{r} p50 / p90 (p10)" for r in routers]
+    headers = ["tokens", "mode", "engine tokenize ms"]
+    for r in routers:
+        headers += [f"{r} p50 / p90 (p10)", "cpu/req"]
     rows = []
     for (n, mode), by in sorted(rows_by.items()):
         eng = payload["engine_tokenize_p50_ms"].get(str(n), payload["engine_tokenize_p50_ms"].get(n))
         cells = [str(n), mode, fmt(eng, 2) if mode == "cold" else ""]
         for name in routers:
             r = by.get(name)
+            if r is None:
+                cells += ["-", "-"]
+                continue
             cells.append(
-                "-"
-                if r is None
-                else f"{fmt(r['p50_ms'], 2)} / {fmt(r['p90_ms'], 2)} ({fmt(r['p10_ms'], 2)})"
+                f"{fmt(r['p50_ms'], 2)} / {fmt(r['p90_ms'], 2)} ({fmt(r['p10_ms'], 2)})"
                 + (f" {r['errors']} err" if r["errors"] else "")
             )
+            cells.append(fmt(r.get("router_cpu_ms_per_req"), 2))
         rows.append(cells)
     s = payload["settings"]
     lines = [

@@ -50,6 +50,9 @@ _INLINE_HASH_BLOCKS = 8
 # Completion prompts up to this many characters are tokenized inline (a few hundred µs at most).
 _INLINE_TOKENIZE_CHARS = 1024
 _INLINE_CHARS = 16_384
+# Completion prompts up to this many characters look up their cached chunks on the loop (~1 µs per
+# 1,000 characters); longer ones do all their work in the pool.
+_INLINE_WALK_CHARS = 1 << 20
 _TOKEN_CACHE_SIZE = 4096
 _TOKEN_CACHE_MAX_CHARS = 32_768  # bounds the cache at ~128 MiB of prompt text
 _REMOTE_TOKENIZE_BACKOFF_S = 60.0
@@ -153,6 +156,33 @@ class Router:
         self.metrics.prompt_chars.labels("tokenized").inc(len(text) - got.reused_chars)
         return int(got.tokens), list(got.hashes)
 
+    def _finish_completion(self, text: str, walked: Any) -> tuple[int, list[int]]:
+        assert isinstance(self.tokenizer, LocalTokenizer)
+        s = self.settings
+        got = self.tokenizer.incremental(True, s.block_size, s.hash_algo).finish(text, walked)
+        if got.reused_chars:
+            self.metrics.prompt_chars.labels("reused").inc(got.reused_chars)
+        self.metrics.prompt_chars.labels("tokenized").inc(len(text) - got.reused_chars)
+        return got.tokens, got.hashes
+
+    async def _completion_hashes(self, text: str) -> tuple[int, list[int]]:
+        """A long completion prompt: the walk over cached chunks on the loop (cheap, and only when no
+        tokenizer thread holds the cache), the rest on the loop too if little is new, else in the pool
+        sized by what is new: an extending prompt costs what its new tail costs."""
+        tok = self.tokenizer
+        if isinstance(tok, LocalTokenizer) and len(text) <= _INLINE_WALK_CHARS:
+            s = self.settings
+            walked = tok.incremental(True, s.block_size, s.hash_algo).walk(text, blocking=False)
+            if walked is not None:
+                new = len(text) - walked.pos
+                inline = new <= _INLINE_TOKENIZE_CHARS * 2
+                got: tuple[int, list[int]] = await self._compute(
+                    inline, new, self._finish_completion, text, walked
+                )
+                return got
+        got = await self._offload(len(text), self._hash_completion, text)
+        return got
+
     def _hash_completion(self, text: str) -> tuple[int, list[int]]:
         assert self.tokenizer is not None
         return self._incremental(text, True) or self._hash_tokens(self.tokenizer.encode_completion(text))
@@ -184,13 +214,17 @@ class Router:
         if self.tokenizer is not None:
             try:
                 if req.text is not None:
-                    cached = self._token_cache.get(req.text)
+                    # Only short prompts are kept (hashing a long one for the lookup costs more).
+                    short = len(req.text) <= _TOKEN_CACHE_MAX_CHARS
+                    cached = self._token_cache.get(req.text) if short else None
                     if cached is not None:
                         self._token_cache.move_to_end(req.text)
                         return cached[1], False, cached[0]
-                    inline = len(req.text) <= _INLINE_TOKENIZE_CHARS
-                    n, hashes = await self._compute(inline, len(req.text), self._hash_completion, req.text)
-                    if len(req.text) <= _TOKEN_CACHE_MAX_CHARS:
+                    if len(req.text) <= _INLINE_TOKENIZE_CHARS:
+                        n, hashes = self._hash_completion(req.text)
+                    else:
+                        n, hashes = await self._completion_hashes(req.text)
+                    if short:
                         self._token_cache[req.text] = (n, hashes)
                         if len(self._token_cache) > _TOKEN_CACHE_SIZE:
                             self._token_cache.popitem(last=False)
@@ -374,8 +408,12 @@ class Router:
         if decision.approximate:
             self.approx.predict(ep.url, decision.hashes, self.settings.approx_ttl_seconds)
         else:
+            m = decision.matches.get(ep.url)
             decision.prediction = self.index.predict(
-                ep.url, decision.hashes, self.settings.upstream_timeout_seconds
+                ep.url,
+                decision.hashes,
+                self.settings.upstream_timeout_seconds,
+                touched=m.blocks if m is not None else 0,  # the lookup touched those just now
             )
 
     def settle(self, decision: Decision, ep: Endpoint) -> None:

@@ -200,6 +200,13 @@ class _Node:
     state: _State
 
 
+class Walk(NamedTuple):
+    pos: int  # characters covered by cached chunks
+    state: _State
+    hashes: list[int]
+    parent_id: int  # the last cached chunk's node (-1: the tokenizer is not cut)
+
+
 class Encoded(NamedTuple):
     tokens: int
     hashes: list[int]
@@ -328,19 +335,25 @@ class IncrementalEncoder:
         return [to_external(d) for d in digests], _State(state.tokens + len(ids), digests[-1], tokens[full:])
 
     def encode(self, text: str) -> Encoded:
-        """(tokens, block hashes, characters reused) of ``text``, as a whole encode + hash would give.
+        """(tokens, block hashes, characters reused) of ``text``, as a whole encode + hash would give."""
+        walked = self.walk(text)
+        assert walked is not None  # a blocking walk always gets the lock
+        return self.finish(text, walked)
 
-        The walk needs no tokenizer and no search for cuts: a cached chunk's key is its text plus the
-        characters after it that its cut depended on, so a prompt holding that same text at that place
-        has its cut at the same point (everything the cut rule reads is in the key)."""
+    def walk(self, text: str, blocking: bool = True) -> Walk | None:
+        """The cached chunks ``text`` starts with (None if ``blocking`` is off and another thread holds
+        the trie). Cheap: a slice and a dict lookup per chunk, no tokenizer, no search for cuts: a
+        cached chunk's key is its text plus the characters after it that its cut depended on, so a
+        prompt holding that same text at that place has its cut at the same point."""
         if not self.enabled:
-            got, end = self._extend(_State(0, NONE_HASHES[self.algo], ()), self.full_ids(text))
-            return Encoded(end.tokens, got, 0)
+            return Walk(0, _State(0, NONE_HASHES[self.algo], ()), [], -1)
         nodes, key_lens = self._trie.nodes, self._trie.key_lens
         parent_id, state, pos = 0, self._root, 0
         hashes: list[int] = []
         path: list[tuple[int, str]] = []
-        with self._lock:
+        if not self._lock.acquire(blocking):
+            return None
+        try:
             while True:
                 node = None
                 for n in key_lens.get(parent_id, ()):
@@ -356,6 +369,18 @@ class IncrementalEncoder:
             # Most recently used last, parents after their children: eviction takes leaves first.
             for key in reversed(path):
                 nodes.move_to_end(key)
+        finally:
+            self._lock.release()
+        return Walk(pos, state, hashes, parent_id)
+
+    def finish(self, text: str, walked: Walk) -> Encoded:
+        """Tokenize and hash what :meth:`walk` did not find (the costly part; runs in a thread for long
+        remainders), and cache its chunks."""
+        pos, state, hashes, parent_id = walked
+        hashes = list(hashes)
+        if parent_id < 0:  # not enabled: one whole encode
+            got, end = self._extend(state, self.full_ids(text))
+            return Encoded(end.tokens, got, 0)
         reused = pos
         bounds = [pos, *self.cuts(text, pos), len(text)]
         pieces = [text[a:b] for a, b in pairwise(bounds)]

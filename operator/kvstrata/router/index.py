@@ -21,7 +21,8 @@ import itertools
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
-from operator import itemgetter
+from itertools import compress, repeat
+from operator import itemgetter, setitem
 from typing import Any, NamedTuple, Protocol, cast
 
 from kvstrata.router.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -30,6 +31,8 @@ GPU, CPU, STORAGE, PREDICTED = 1, 2, 4, 8
 REAL = GPU | CPU | STORAGE
 _MEDIUM_BIT = {"GPU": GPU, "CPU": CPU, "STORAGE": STORAGE}
 _MASK = itemgetter(0)
+_IS_PREDICTED = PREDICTED.__eq__
+_ONES = repeat(1)
 
 
 class Prediction:
@@ -161,8 +164,11 @@ class BlockIndex:
         elif isinstance(event, AllBlocksCleared):
             self._clear(endpoint)
 
-    def predict(self, endpoint: str, hashes: Sequence[int], ttl: float) -> Prediction | None:
-        """Record that ``endpoint`` will hold ``hashes`` (until confirmed, or ``ttl`` from now)."""
+    def predict(
+        self, endpoint: str, hashes: Sequence[int], ttl: float, touched: int = 0
+    ) -> Prediction | None:
+        """Record that ``endpoint`` will hold ``hashes`` (until confirmed, or ``ttl`` from now).
+        ``touched``: a lookup just matched that many leading blocks there (they are most recent already)."""
         if not hashes:
             return None
         now = self._clock()
@@ -170,17 +176,32 @@ class BlockIndex:
         pred = Prediction(endpoint, now + ttl, tuple(hashes))
         blocks = self._blocks(endpoint)
         entries = list(map(blocks.get, hashes))
-        for entry in entries:
-            if entry is not None and not int(entry[0]) & REAL:
-                entry[1] = pred
-        if None in entries:
-            missing = [h for h, e in zip(hashes, entries, strict=True) if e is None]
-            deque(map(blocks.move_to_end, (h for h, e in zip(hashes, entries, strict=True) if e)), maxlen=0)
-            for h in missing:
+        try:
+            known = entries.index(None)
+        except ValueError:
+            known = len(entries)
+        if entries.count(None) == len(entries) - known:
+            # The usual shape (a prompt seen before, maybe extended): known blocks, then new ones.
+            # Per-block work in C except for the new blocks.
+            head = cast("list[list[Any]]", entries[:known])
+            deque(
+                map(setitem, compress(head, map(_IS_PREDICTED, map(_MASK, head))), _ONES, repeat(pred)),
+                maxlen=0,
+            )
+            if touched < known:
+                deque(map(blocks.move_to_end, hashes[touched:known]), maxlen=0)
+            for h in hashes[known:]:
                 blocks[h] = [PREDICTED, pred]
-            self._size += len(missing)
-        else:  # the usual case for a prompt sent before: every block known, touched in C
-            deque(map(blocks.move_to_end, hashes), maxlen=0)
+            self._size += len(hashes) - known
+        else:
+            for h, entry in zip(hashes, entries, strict=True):
+                if entry is None:
+                    blocks[h] = [PREDICTED, pred]
+                    self._size += 1
+                else:
+                    if not int(entry[0]) & REAL:
+                        entry[1] = pred
+                    blocks.move_to_end(h)
         self._push(pred)
         self._enforce_bound()
         return pred
