@@ -78,6 +78,8 @@ _PER_PIECE_MODELS = frozenset({"BPE", "WordLevel", "WordPiece", "Unigram"})
 _CUT = re.compile(r"(?<=[A-Za-z0-9]) (?=[A-Za-z])")
 
 DEFAULT_CHUNK_CHARS = 1024
+DEFAULT_FIRST_CHUNK_CHARS = 256
+_FIRST_CHUNKS_UNTIL = 4096  # characters from the start cut in first-chunk sizes
 # Distinct chunk lengths tried after one chunk (prompts that diverge there); the newest are kept.
 _MAX_KEY_LENS = 32
 DEFAULT_MAX_CACHED_CHARS = 32 << 20
@@ -234,6 +236,7 @@ class IncrementalEncoder:
         block_size: int,
         algo: HashAlgo = DEFAULT_HASH_ALGO,
         chunk_chars: int = DEFAULT_CHUNK_CHARS,
+        first_chunk_chars: int = DEFAULT_FIRST_CHUNK_CHARS,
         max_cached_chars: int = DEFAULT_MAX_CACHED_CHARS,
         proof: Proof | None = None,
         self_test: bool = True,
@@ -243,6 +246,7 @@ class IncrementalEncoder:
         self.block_size = block_size
         self.algo = algo
         self.chunk_chars = max(1, chunk_chars)
+        self.first_chunk_chars = max(1, min(first_chunk_chars, chunk_chars))
         self.max_cached_chars = max_cached_chars
         self.proof = proof if proof is not None else prove(tokenizer)
         self.prefix = self.proof.prefix if add_special_tokens else ()
@@ -287,11 +291,17 @@ class IncrementalEncoder:
         """Cut points after ``start``, each at least ``step`` (default: chunk size) after the last."""
         if not self.enabled:
             return
-        step = self.chunk_chars if step is None else step
         end = len(text) - self._reach - 1
         pos = start
         while True:
-            c = self._cut_at_or_after(text, max(pos + step, 1), end)
+            # Short chunks near the start, where system prompts and templates are shared by many
+            # prompts (a ~300-character shared prefix is reused); longer ones after, so a long prompt
+            # is few chunks to walk.
+            if step is not None:
+                size = step
+            else:
+                size = self.first_chunk_chars if pos < _FIRST_CHUNKS_UNTIL else self.chunk_chars
+            c = self._cut_at_or_after(text, max(pos + size, 1), end)
             if c is None:
                 return
             yield c
