@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections import Counter, OrderedDict, deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from itertools import compress, repeat
 from operator import itemgetter, setitem
@@ -113,9 +113,11 @@ class BlockIndex:
                 n = entries.index(None)
             except ValueError:
                 n = len(entries)
-            masks = Counter(map(_MASK, cast("list[list[Any]]", entries[:n])))
+            masks = list(map(_MASK, cast("list[list[Any]]", entries[:n])))
+            kinds = set(masks)  # one or two kinds as a rule: counted in C, no per-block Python
             gpu = cpu = storage = predicted = 0
-            for mask, count in masks.items():
+            for mask in kinds:
+                count = n if len(kinds) == 1 else masks.count(mask)
                 m = int(mask)
                 if m & GPU:
                     gpu += count
