@@ -56,6 +56,10 @@ _INLINE_WALK_CHARS = 1 << 20
 _TOKEN_CACHE_SIZE = 4096
 _TOKEN_CACHE_MAX_CHARS = 32_768  # bounds the cache at ~128 MiB of prompt text
 _REMOTE_TOKENIZE_BACKOFF_S = 60.0
+# Predictions cover at most a prompt's first this many blocks (256K tokens at block size 32): writing
+# a 4 MB prompt's 32K blocks into the index would hold the event loop ~10 ms; a prefix match is
+# capped here until the engine's events confirm the rest.
+_MAX_PREDICTED_BLOCKS = 8192
 
 
 class NoEndpoints(Exception):
@@ -406,12 +410,14 @@ class Router:
         if not decision.hashes:
             return
         if decision.approximate:
-            self.approx.predict(ep.url, decision.hashes, self.settings.approx_ttl_seconds)
+            self.approx.predict(
+                ep.url, decision.hashes[:_MAX_PREDICTED_BLOCKS], self.settings.approx_ttl_seconds
+            )
         else:
             m = decision.matches.get(ep.url)
             decision.prediction = self.index.predict(
                 ep.url,
-                decision.hashes,
+                decision.hashes[:_MAX_PREDICTED_BLOCKS],
                 self.settings.upstream_timeout_seconds,
                 touched=m.blocks if m is not None else 0,  # the lookup touched those just now
             )
@@ -424,4 +430,6 @@ class Router:
             if pred is not None and pred.endpoint == ep.url:
                 self.index.retime(pred, self.settings.prediction_ttl_seconds)
             else:
-                self.index.predict(ep.url, decision.hashes, self.settings.prediction_ttl_seconds)
+                self.index.predict(
+                    ep.url, decision.hashes[:_MAX_PREDICTED_BLOCKS], self.settings.prediction_ttl_seconds
+                )
