@@ -21,8 +21,7 @@ import itertools
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from itertools import compress, repeat
-from operator import itemgetter, setitem
+from operator import itemgetter
 from typing import Any, NamedTuple, Protocol, cast
 
 from kvstrata.router.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -31,20 +30,47 @@ GPU, CPU, STORAGE, PREDICTED = 1, 2, 4, 8
 REAL = GPU | CPU | STORAGE
 _MEDIUM_BIT = {"GPU": GPU, "CPU": CPU, "STORAGE": STORAGE}
 _MASK = itemgetter(0)
-_IS_PREDICTED = PREDICTED.__eq__
-_ONES = repeat(1)
+_PRED = itemgetter(1)
+# Prompts with at most this many known blocks re-point them to the new prediction (cheap); longer ones
+# hold the earlier predictions instead (Prediction.keepers).
+_REPOINT_BLOCKS = 64
+# A prediction held by more later ones than this folds their expiries into its own (bounds the work of
+# Prediction.until when many requests share one long, unconfirmed prefix).
+_MAX_KEEPERS = 32
 
 
 class Prediction:
     """One predict() call's expiry, shared by the blocks it predicted: re-timing it (a request's
-    prefill ended) is one assignment, not a walk over a long prompt's blocks."""
+    prefill ended) is one assignment, not a walk over a long prompt's blocks.
 
-    __slots__ = ("endpoint", "expires", "hashes")
+    A later prediction whose prompt holds this one's blocks (the next turn of a conversation) does not
+    re-point them: it becomes one of this prediction's *keepers*, and the blocks live while this
+    prediction or any keeper does (:meth:`until`). So a turn costs work for its new blocks only."""
+
+    __slots__ = ("dead", "endpoint", "expires", "hashes", "keepers", "kept")
 
     def __init__(self, endpoint: str, expires: float, hashes: tuple[int, ...]) -> None:
         self.endpoint = endpoint
         self.expires = expires
         self.hashes = hashes
+        self.keepers: list[Prediction] = []  # later predictions that hold this one's blocks too
+        self.kept: list[Prediction] = []  # earlier predictions this one holds
+        self.dead = False
+
+    def hold(self, keeper: Prediction) -> None:
+        if len(self.keepers) >= _MAX_KEEPERS:
+            self.expires = max(self.expires, *(k.expires for k in self.keepers))
+            self.keepers = []
+        self.keepers.append(keeper)
+
+    def until(self, now: float) -> float:
+        """When this prediction's blocks expire: its own expiry or its latest live keeper's."""
+        end = self.expires
+        if self.keepers:
+            self.keepers = [k for k in self.keepers if k.expires > now]
+            for k in self.keepers:
+                end = max(end, k.expires)
+        return end
 
 
 class PrefixMatch(NamedTuple):
@@ -186,10 +212,20 @@ class BlockIndex:
             # The usual shape (a prompt seen before, maybe extended): known blocks, then new ones.
             # Per-block work in C except for the new blocks.
             head = cast("list[list[Any]]", entries[:known])
-            deque(
-                map(setitem, compress(head, map(_IS_PREDICTED, map(_MASK, head))), _ONES, repeat(pred)),
-                maxlen=0,
-            )
+            if known <= _REPOINT_BLOCKS:  # a short prompt: re-point its few predicted blocks
+                for known_entry in head:
+                    if known_entry[0] == PREDICTED:
+                        known_entry[1] = pred
+            else:
+                # A long prompt's known blocks keep the predictions they have; each of those is held by
+                # this one as long as it lives (one step per earlier prediction, usually one per turn).
+                olds = set(map(_PRED, head))
+                olds.discard(None)
+                for prev in olds:
+                    prev.hold(pred)
+                    pred.kept.append(prev)
+                    if pred.expires > prev.expires:
+                        self._push(prev, pred.expires)
             if touched < known:
                 deque(map(blocks.move_to_end, hashes[touched:known]), maxlen=0)
             for h in hashes[known:]:
@@ -210,14 +246,17 @@ class BlockIndex:
 
     def retime(self, pred: Prediction, ttl: float) -> None:
         """Give the blocks still held by ``pred`` (not confirmed, not predicted again since) a new
-        expiry ``ttl`` from now: O(1) whatever the prompt's length."""
+        expiry ``ttl`` from now: O(1) in the prompt's length (one step per earlier prediction held)."""
         now = self._clock()
         self._expire(now)
         pred.expires = now + ttl
-        self._push(pred)
+        self._push(pred, pred.until(now))
+        for prev in pred.kept:
+            if not prev.dead:
+                self._push(prev, prev.until(now))
 
-    def _push(self, pred: Prediction) -> None:
-        heapq.heappush(self._predictions, (pred.expires, next(self._seq), pred))
+    def _push(self, pred: Prediction, when: float | None = None) -> None:
+        heapq.heappush(self._predictions, (pred.expires if when is None else when, next(self._seq), pred))
         self._predicted_hashes += len(pred.hashes)
         if self._predicted_hashes > 2 * self.max_blocks:
             self._compact_predictions()
@@ -242,6 +281,7 @@ class BlockIndex:
 
     def _compact_predictions(self) -> None:
         """Rebuild the heap from live predictions: refreshed ones leave stale records behind."""
+        now = self._clock()
         live: dict[int, tuple[Prediction, list[int]]] = {}
         for blocks in self._eps.values():
             for h, entry in blocks.items():
@@ -251,17 +291,24 @@ class BlockIndex:
         self._predictions = []
         for pred, hs in live.values():
             pred.hashes = tuple(hs)
-            self._predictions.append((pred.expires, next(self._seq), pred))
+            self._predictions.append((pred.until(now), next(self._seq), pred))
         self._predicted_hashes = sum(len(p.hashes) for _, _, p in self._predictions)
         heapq.heapify(self._predictions)
 
     def _expire(self, now: float) -> None:
         preds = self._predictions
         while preds and preds[0][0] <= now:
-            expires, _, pred = heapq.heappop(preds)
+            _, _, pred = heapq.heappop(preds)
             self._predicted_hashes -= len(pred.hashes)
-            if pred.expires != expires:
-                continue  # re-timed since: a later record stands for it
+            if pred.dead:
+                continue
+            end = pred.until(now)
+            if end > now:  # re-timed, or held by a later prediction: a record at its new end
+                heapq.heappush(preds, (end, next(self._seq), pred))
+                self._predicted_hashes += len(pred.hashes)
+                continue
+            pred.dead = True
+            pred.keepers, pred.kept = [], []
             blocks = self._eps.get(pred.endpoint)
             if blocks is None:
                 continue
