@@ -1,6 +1,6 @@
 # Benchmarks: kvstrata's router vs vllm-router and sglang-router. Figures are printed and written to
 # .bench/*.json; they never fail a build. See docs/benchmarks.md.
-.PHONY: bench-router bench-router-fixed bench-proxy bench-deps bench-tools bench-lint
+.PHONY: bench-router bench-router-fixed bench-proxy bench-router-overhead bench-deps bench-tools bench-lint
 
 BENCH_DIR ?= .bench
 
@@ -37,6 +37,12 @@ bench-router-fixed: venv vllm bench-deps
 # Router overhead: req/s and added latency to a static nginx backend, non-streaming and SSE.
 bench-proxy: venv bench-deps bench-tools
 	$(PY) -m bench.proxy_bench --out $(BENCH_DIR)/proxy.json $(BENCH_ARGS)
+
+# Latency each router adds to long prompts (1K-128K tokens), cold and extending a known prompt, against
+# the same static nginx backend; kvstrata and both peers in one run. BENCH_OVERHEAD_SIZES,
+# BENCH_OVERHEAD_REQUESTS, BENCH_OVERHEAD_ROUTERS. Writes .bench/overhead.json.
+bench-router-overhead: venv bench-deps bench-tools
+	$(PY) -m bench.overhead_bench --out $(BENCH_DIR)/overhead.json $(BENCH_ARGS)
 
 bench-lint: venv
 	$(VENV)/bin/ruff check bench

@@ -50,9 +50,16 @@ _INLINE_HASH_BLOCKS = 8
 # Completion prompts up to this many characters are tokenized inline (a few hundred µs at most).
 _INLINE_TOKENIZE_CHARS = 1024
 _INLINE_CHARS = 16_384
+# Completion prompts up to this many characters look up their cached chunks on the loop (~1 µs per
+# 1,000 characters); longer ones do all their work in the pool.
+_INLINE_WALK_CHARS = 1 << 20
 _TOKEN_CACHE_SIZE = 4096
 _TOKEN_CACHE_MAX_CHARS = 32_768  # bounds the cache at ~128 MiB of prompt text
 _REMOTE_TOKENIZE_BACKOFF_S = 60.0
+# Predictions cover at most a prompt's first this many blocks (256K tokens at block size 32): writing
+# a 4 MB prompt's 32K blocks into the index would hold the event loop ~10 ms; a prefix match is
+# capped here until the engine's events confirm the rest.
+_MAX_PREDICTED_BLOCKS = 8192
 
 
 class NoEndpoints(Exception):
@@ -78,6 +85,11 @@ class Router:
         if tokenizer is None and settings.tokenizer:
             tokenizer = LocalTokenizer(settings.tokenizer)
         self.tokenizer = tokenizer
+        if isinstance(tokenizer, LocalTokenizer):
+            # Proved and self-tested now, not in the first requests' routing time.
+            for specials in (True, False):
+                enc = tokenizer.incremental(specials, settings.block_size, settings.hash_algo)
+            log.info("incremental tokenization: %s", enc.reason)
         self.work = WorkPools(
             settings.tokenizer_threads, settings.large_prompt_chars, settings.large_prompt_queue
         )
@@ -121,17 +133,70 @@ class Router:
         ep.healthy = False
         self._forget(ep)
 
+    def tokenizer_state(self) -> dict[str, Any] | None:
+        """For /kvstrata/state: whether prompts are cut (and why or why not), and the chunk cache."""
+        if not isinstance(self.tokenizer, LocalTokenizer):
+            return None
+        s = self.settings
+        return {
+            "completion": self.tokenizer.incremental(True, s.block_size, s.hash_algo).stats(),
+            "chat": self.tokenizer.incremental(False, s.block_size, s.hash_algo).stats(),
+        }
+
     # --- prompt → hashes -------------------------------------------------------------------------
     def _hash_tokens(self, ids: Sequence[int]) -> tuple[int, list[int]]:
         return len(ids), block_hashes(ids, self.settings.block_size, self.settings.hash_algo)
 
+    def _incremental(self, text: str, add_special_tokens: bool) -> tuple[int, list[int]] | None:
+        """Tokens and hashes by the incremental encoder, or None for a tokenizer without one (a
+        stand-in in tests)."""
+        make = getattr(self.tokenizer, "incremental", None)
+        if make is None:
+            return None
+        s = self.settings
+        got = make(add_special_tokens, s.block_size, s.hash_algo).encode(text)
+        if got.reused_chars:
+            self.metrics.prompt_chars.labels("reused").inc(got.reused_chars)
+        self.metrics.prompt_chars.labels("tokenized").inc(len(text) - got.reused_chars)
+        return int(got.tokens), list(got.hashes)
+
+    def _finish_completion(self, text: str, walked: Any) -> tuple[int, list[int]]:
+        assert isinstance(self.tokenizer, LocalTokenizer)
+        s = self.settings
+        got = self.tokenizer.incremental(True, s.block_size, s.hash_algo).finish(text, walked)
+        if got.reused_chars:
+            self.metrics.prompt_chars.labels("reused").inc(got.reused_chars)
+        self.metrics.prompt_chars.labels("tokenized").inc(len(text) - got.reused_chars)
+        return got.tokens, got.hashes
+
+    async def _completion_hashes(self, text: str) -> tuple[int, list[int]]:
+        """A long completion prompt: the walk over cached chunks on the loop (cheap, and only when no
+        tokenizer thread holds the cache), the rest on the loop too if little is new, else in the pool
+        sized by what is new: an extending prompt costs what its new tail costs."""
+        tok = self.tokenizer
+        if isinstance(tok, LocalTokenizer) and len(text) <= _INLINE_WALK_CHARS:
+            s = self.settings
+            walked = tok.incremental(True, s.block_size, s.hash_algo).walk(text, blocking=False)
+            if walked is not None:
+                new = len(text) - walked.pos
+                inline = new <= _INLINE_TOKENIZE_CHARS * 2
+                got: tuple[int, list[int]] = await self._compute(
+                    inline, new, self._finish_completion, text, walked
+                )
+                return got
+        got = await self._offload(len(text), self._hash_completion, text)
+        return got
+
     def _hash_completion(self, text: str) -> tuple[int, list[int]]:
         assert self.tokenizer is not None
-        return self._hash_tokens(self.tokenizer.encode_completion(text))
+        return self._incremental(text, True) or self._hash_tokens(self.tokenizer.encode_completion(text))
 
     def _hash_chat(self, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> tuple[int, list[int]]:
         assert self.tokenizer is not None
-        return self._hash_tokens(self.tokenizer.encode_chat(messages, **kwargs))
+        # The rendered conversation extends the previous turn's: the same cut, on the rendered text.
+        rendered = self.tokenizer.render_chat(messages, **kwargs)
+        got = self._incremental(rendered, False)
+        return got or self._hash_tokens(self.tokenizer.encode_chat(messages, **kwargs))
 
     async def _offload(self, size: int, fn: Any, *args: Any) -> Any:
         return await self.work.run(size, fn, *args)
@@ -153,13 +218,17 @@ class Router:
         if self.tokenizer is not None:
             try:
                 if req.text is not None:
-                    cached = self._token_cache.get(req.text)
+                    # Only short prompts are kept (hashing a long one for the lookup costs more).
+                    short = len(req.text) <= _TOKEN_CACHE_MAX_CHARS
+                    cached = self._token_cache.get(req.text) if short else None
                     if cached is not None:
                         self._token_cache.move_to_end(req.text)
                         return cached[1], False, cached[0]
-                    inline = len(req.text) <= _INLINE_TOKENIZE_CHARS
-                    n, hashes = await self._compute(inline, len(req.text), self._hash_completion, req.text)
-                    if len(req.text) <= _TOKEN_CACHE_MAX_CHARS:
+                    if len(req.text) <= _INLINE_TOKENIZE_CHARS:
+                        n, hashes = self._hash_completion(req.text)
+                    else:
+                        n, hashes = await self._completion_hashes(req.text)
+                    if short:
                         self._token_cache[req.text] = (n, hashes)
                         if len(self._token_cache) > _TOKEN_CACHE_SIZE:
                             self._token_cache.popitem(last=False)
@@ -343,12 +412,26 @@ class Router:
         if not decision.hashes:
             return
         if decision.approximate:
-            self.approx.predict(ep.url, decision.hashes, self.settings.approx_ttl_seconds)
+            self.approx.predict(
+                ep.url, decision.hashes[:_MAX_PREDICTED_BLOCKS], self.settings.approx_ttl_seconds
+            )
         else:
-            self.index.predict(ep.url, decision.hashes, self.settings.upstream_timeout_seconds)
+            m = decision.matches.get(ep.url)
+            decision.prediction = self.index.predict(
+                ep.url,
+                decision.hashes[:_MAX_PREDICTED_BLOCKS],
+                self.settings.upstream_timeout_seconds,
+                touched=m.blocks if m is not None else 0,  # the lookup touched those just now
+            )
 
     def settle(self, decision: Decision, ep: Endpoint) -> None:
         """The request's prefill is over (first token, or the attempt ended): the engine's events now
         confirm its blocks within moments, so unconfirmed predictions get the short TTL."""
         if decision.hashes and not decision.approximate:
-            self.index.predict(ep.url, decision.hashes, self.settings.prediction_ttl_seconds)
+            pred = decision.prediction
+            if pred is not None and pred.endpoint == ep.url:
+                self.index.retime(pred, self.settings.prediction_ttl_seconds)
+            else:
+                self.index.predict(
+                    ep.url, decision.hashes[:_MAX_PREDICTED_BLOCKS], self.settings.prediction_ttl_seconds
+                )

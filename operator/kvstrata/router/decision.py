@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvstrata.router.index import PrefixMatch
+from kvstrata.router.index import Prediction, PrefixMatch
 from kvstrata.router.pool import Endpoint
 from kvstrata.router.reasons import Reason
 from kvstrata.router.scoring import Ranked, uncached_tokens
@@ -22,6 +22,8 @@ class Decision:
     ranked: list[Ranked] | None = None
     # False for requests forwarded without routing (/tokenize, /v1/models): not conversation traffic.
     routed: bool = True
+    # The index prediction of the last attempt (commit), re-timed when its prefill is over (settle).
+    prediction: Prediction | None = None
 
     def predicted_cached_tokens(self, ep: Endpoint, block_size: int) -> int:
         if self.approximate:

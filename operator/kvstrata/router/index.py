@@ -24,16 +24,60 @@ every engine once it is evicted, and each copy evicts other groups (router/scori
 from __future__ import annotations
 
 import heapq
+import itertools
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple, Protocol
+from operator import itemgetter
+from typing import Any, NamedTuple, Protocol, cast
 
 from kvstrata.router.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 GPU, CPU, STORAGE, PREDICTED = 1, 2, 4, 8
 REAL = GPU | CPU | STORAGE
 _MEDIUM_BIT = {"GPU": GPU, "CPU": CPU, "STORAGE": STORAGE}
+_MASK = itemgetter(0)
+_PRED = itemgetter(1)
+# Prompts with at most this many known blocks re-point them to the new prediction (cheap); longer ones
+# hold the earlier predictions instead (Prediction.keepers).
+_REPOINT_BLOCKS = 64
+# A prediction held by more later ones than this folds their expiries into its own (bounds the work of
+# Prediction.until when many requests share one long, unconfirmed prefix).
+_MAX_KEEPERS = 32
+
+
+class Prediction:
+    """One predict() call's expiry, shared by the blocks it predicted: re-timing it (a request's
+    prefill ended) is one assignment, not a walk over a long prompt's blocks.
+
+    A later prediction whose prompt holds this one's blocks (the next turn of a conversation) does not
+    re-point them: it becomes one of this prediction's *keepers*, and the blocks live while this
+    prediction or any keeper does (:meth:`until`). So a turn costs work for its new blocks only."""
+
+    __slots__ = ("dead", "endpoint", "expires", "hashes", "keepers", "kept")
+
+    def __init__(self, endpoint: str, expires: float, hashes: tuple[int, ...]) -> None:
+        self.endpoint = endpoint
+        self.expires = expires
+        self.hashes = hashes
+        self.keepers: list[Prediction] = []  # later predictions that hold this one's blocks too
+        self.kept: list[Prediction] = []  # earlier predictions this one holds
+        self.dead = False
+
+    def hold(self, keeper: Prediction) -> None:
+        if len(self.keepers) >= _MAX_KEEPERS:
+            self.expires = max(self.expires, *(k.expires for k in self.keepers))
+            self.keepers = []
+        self.keepers.append(keeper)
+
+    def until(self, now: float) -> float:
+        """When this prediction's blocks expire: its own expiry or its latest live keeper's."""
+        end = self.expires
+        if self.keepers:
+            self.keepers = [k for k in self.keepers if k.expires > now]
+            for k in self.keepers:
+                end = max(end, k.expires)
+        return end
 
 
 class PrefixMatch(NamedTuple):
@@ -50,7 +94,7 @@ class PrefixIndex(Protocol):
     def lookup(self, hashes: Sequence[int]) -> dict[str, PrefixMatch]: ...
     def history(self, hashes: Sequence[int]) -> dict[str, int]: ...
     def apply(self, endpoint: str, event: KVEvent) -> None: ...
-    def predict(self, endpoint: str, hashes: Sequence[int], ttl: float) -> None: ...
+    def predict(self, endpoint: str, hashes: Sequence[int], ttl: float) -> Prediction | None: ...
     def drop_endpoint(self, endpoint: str) -> None: ...
     def __len__(self) -> int: ...
 
@@ -63,12 +107,15 @@ class BlockIndex:
             raise ValueError("max_blocks must be >= 1")
         self.max_blocks = max_blocks
         self._clock = clock
-        # endpoint -> hash -> [mask, prediction expiry (0.0 = none)]; order = least recently touched first
-        self._eps: dict[str, OrderedDict[int, list[float]]] = {}
-        # Min-heap of (expiry, endpoint, hash). Expiries differ per call (a request in flight is predicted
+        # endpoint -> hash -> [mask, Prediction or None]; order = least recently touched first
+        self._eps: dict[str, OrderedDict[int, list[Any]]] = {}
+        # Min-heap of (expiry, seq, endpoint, hashes): one record per predict() call, not per block (a
+        # 128K-token prompt is 4,096 blocks). Expiries differ per call (a request in flight is predicted
         # until its first token, then for the short TTL), so a FIFO would not be in expiry order. Refreshes
-        # leave stale tuples; past 2 × max_blocks the heap is rebuilt from live predictions.
-        self._predictions: list[tuple[float, str, int]] = []
+        # leave stale records; past 2 × max_blocks hashes in them the heap is rebuilt from live predictions.
+        self._predictions: list[tuple[float, int, Prediction]] = []
+        self._predicted_hashes = 0
+        self._seq = itertools.count()
         self._size = 0
         self.evictions = 0
         # endpoint -> ghost hashes, oldest first; at most max_blocks in total (see _remember).
@@ -86,35 +133,39 @@ class BlockIndex:
 
     # --- reads -----------------------------------------------------------------------------------
     def lookup(self, hashes: Sequence[int]) -> dict[str, PrefixMatch]:
-        """Per endpoint with at least one matching leading block: the matched prefix and its tiers."""
+        """Per endpoint with at least one matching leading block: the matched prefix and its tiers.
+
+        The per-block work runs in C (``map``, ``list.index``, ``Counter``): a long prompt's walk costs
+        tens of nanoseconds per block, not a Python loop iteration."""
         if not hashes:
             return {}
         now = self._clock()
-        self._expire(now)
+        self._expire(now)  # after this no entry holds an expired prediction
         out: dict[str, PrefixMatch] = {}
         for ep, blocks in self._eps.items():
+            if hashes[0] not in blocks:
+                continue
+            entries = list(map(blocks.get, hashes))
+            try:
+                n = entries.index(None)
+            except ValueError:
+                n = len(entries)
+            masks = list(map(_MASK, cast("list[list[Any]]", entries[:n])))
+            kinds = set(masks)  # one or two kinds as a rule: counted in C, no per-block Python
             gpu = cpu = storage = predicted = 0
-            for h in hashes:
-                entry = blocks.get(h)
-                if entry is None:
-                    break
-                mask = int(entry[0])
-                if mask & GPU:
-                    gpu += 1
-                elif mask & CPU:
-                    cpu += 1
-                elif mask & STORAGE:
-                    storage += 1
-                elif entry[1] > now:
-                    predicted += 1
+            for mask in kinds:
+                count = n if len(kinds) == 1 else masks.count(mask)
+                m = int(mask)
+                if m & GPU:
+                    gpu += count
+                elif m & CPU:
+                    cpu += count
+                elif m & STORAGE:
+                    storage += count
                 else:
-                    del blocks[h]
-                    self._size -= 1
-                    break
-                blocks.move_to_end(h)
-            n = gpu + cpu + storage + predicted
-            if n:
-                out[ep] = PrefixMatch(n, gpu, cpu, storage, predicted)
+                    predicted += count
+            deque(map(blocks.move_to_end, hashes[:n]), maxlen=0)  # touched: most recently used
+            out[ep] = PrefixMatch(n, gpu, cpu, storage, predicted)
         return out
 
     def history(self, hashes: Sequence[int]) -> dict[str, int]:
@@ -122,7 +173,7 @@ class BlockIndex:
         out: dict[str, int] = {}
         none: dict[int, Any] = {}
         for ep in set(self._eps) | set(self._ghosts):
-            live: Mapping[int, list[float]] = self._eps.get(ep, none)
+            live: Mapping[int, list[Any]] = self._eps.get(ep, none)
             ghosts: Mapping[int, None] = self._ghosts.get(ep, none)
             n = 0
             for h in hashes:
@@ -134,7 +185,7 @@ class BlockIndex:
         return out
 
     @staticmethod
-    def _real(entry: list[float] | None) -> bool:
+    def _real(entry: list[Any] | None) -> bool:
         return entry is not None and bool(int(entry[0]) & REAL)
 
     # --- writes ----------------------------------------------------------------------------------
@@ -149,12 +200,12 @@ class BlockIndex:
                     self._ghost_count -= 1
                 entry = blocks.get(h)
                 if entry is None:
-                    blocks[h] = [bit, 0.0]
+                    blocks[h] = [bit, None]
                     self._size += 1
                 else:
                     # Confirmed: the prediction (if any) is now a fact.
                     entry[0] = (int(entry[0]) | bit) & REAL
-                    entry[1] = 0.0
+                    entry[1] = None
                     blocks.move_to_end(h)
             self._enforce_bound()
         elif isinstance(event, BlockRemoved):
@@ -178,26 +229,74 @@ class BlockIndex:
             self._clear(endpoint)
             self._forget(endpoint)
 
-    def predict(self, endpoint: str, hashes: Sequence[int], ttl: float) -> None:
+    def predict(
+        self, endpoint: str, hashes: Sequence[int], ttl: float, touched: int = 0
+    ) -> Prediction | None:
+        """Record that ``endpoint`` will hold ``hashes`` (until confirmed, or ``ttl`` from now).
+        ``touched``: a lookup just matched that many leading blocks there (they are most recent already)."""
         if not hashes:
-            return
+            return None
         now = self._clock()
         self._expire(now)
-        expires = now + ttl
+        pred = Prediction(endpoint, now + ttl, tuple(hashes))
         blocks = self._blocks(endpoint)
-        for h in hashes:
-            entry = blocks.get(h)
-            if entry is None:
-                blocks[h] = [PREDICTED, expires]
-                self._size += 1
+        entries = list(map(blocks.get, hashes))
+        try:
+            known = entries.index(None)
+        except ValueError:
+            known = len(entries)
+        if entries.count(None) == len(entries) - known:
+            # The usual shape (a prompt seen before, maybe extended): known blocks, then new ones.
+            # Per-block work in C except for the new blocks.
+            head = cast("list[list[Any]]", entries[:known])
+            if known <= _REPOINT_BLOCKS:  # a short prompt: re-point its few predicted blocks
+                for known_entry in head:
+                    if known_entry[0] == PREDICTED:
+                        known_entry[1] = pred
             else:
-                if not int(entry[0]) & REAL:
-                    entry[1] = expires
-                blocks.move_to_end(h)
-            heapq.heappush(self._predictions, (expires, endpoint, h))
-        if len(self._predictions) > 2 * self.max_blocks:
-            self._compact_predictions()
+                # A long prompt's known blocks keep the predictions they have; each of those is held by
+                # this one as long as it lives (one step per earlier prediction, usually one per turn).
+                olds = set(map(_PRED, head))
+                olds.discard(None)
+                for prev in olds:
+                    prev.hold(pred)
+                    pred.kept.append(prev)
+                    if pred.expires > prev.expires:
+                        self._push(prev, pred.expires)
+            if touched < known:
+                deque(map(blocks.move_to_end, hashes[touched:known]), maxlen=0)
+            for h in hashes[known:]:
+                blocks[h] = [PREDICTED, pred]
+            self._size += len(hashes) - known
+        else:
+            for h, entry in zip(hashes, entries, strict=True):
+                if entry is None:
+                    blocks[h] = [PREDICTED, pred]
+                    self._size += 1
+                else:
+                    if not int(entry[0]) & REAL:
+                        entry[1] = pred
+                    blocks.move_to_end(h)
+        self._push(pred)
         self._enforce_bound()
+        return pred
+
+    def retime(self, pred: Prediction, ttl: float) -> None:
+        """Give the blocks still held by ``pred`` (not confirmed, not predicted again since) a new
+        expiry ``ttl`` from now: O(1) in the prompt's length (one step per earlier prediction held)."""
+        now = self._clock()
+        self._expire(now)
+        pred.expires = now + ttl
+        self._push(pred, pred.until(now))
+        for prev in pred.kept:
+            if not prev.dead:
+                self._push(prev, prev.until(now))
+
+    def _push(self, pred: Prediction, when: float | None = None) -> None:
+        heapq.heappush(self._predictions, (pred.expires if when is None else when, next(self._seq), pred))
+        self._predicted_hashes += len(pred.hashes)
+        if self._predicted_hashes > 2 * self.max_blocks:
+            self._compact_predictions()
 
     def drop_endpoint(self, endpoint: str) -> None:
         blocks = self._eps.pop(endpoint, None)
@@ -206,7 +305,7 @@ class BlockIndex:
         self._forget(endpoint)
 
     # --- internals -------------------------------------------------------------------------------
-    def _blocks(self, endpoint: str) -> OrderedDict[int, list[float]]:
+    def _blocks(self, endpoint: str) -> OrderedDict[int, list[Any]]:
         blocks = self._eps.get(endpoint)
         if blocks is None:
             blocks = self._eps[endpoint] = OrderedDict()
@@ -219,27 +318,43 @@ class BlockIndex:
             blocks.clear()
 
     def _compact_predictions(self) -> None:
-        """Rebuild the heap from live predictions: refreshed ones leave stale tuples behind."""
-        self._predictions = [
-            (entry[1], ep, h)
-            for ep, blocks in self._eps.items()
-            for h, entry in blocks.items()
-            if entry[0] == PREDICTED
-        ]
+        """Rebuild the heap from live predictions: refreshed ones leave stale records behind."""
+        now = self._clock()
+        live: dict[int, tuple[Prediction, list[int]]] = {}
+        for blocks in self._eps.values():
+            for h, entry in blocks.items():
+                pred = entry[1]
+                if entry[0] == PREDICTED and pred is not None:
+                    live.setdefault(id(pred), (pred, []))[1].append(h)
+        self._predictions = []
+        for pred, hs in live.values():
+            pred.hashes = tuple(hs)
+            self._predictions.append((pred.until(now), next(self._seq), pred))
+        self._predicted_hashes = sum(len(p.hashes) for _, _, p in self._predictions)
         heapq.heapify(self._predictions)
 
     def _expire(self, now: float) -> None:
         preds = self._predictions
         while preds and preds[0][0] <= now:
-            expires, ep, h = heapq.heappop(preds)
-            blocks = self._eps.get(ep)
+            _, _, pred = heapq.heappop(preds)
+            self._predicted_hashes -= len(pred.hashes)
+            if pred.dead:
+                continue
+            end = pred.until(now)
+            if end > now:  # re-timed, or held by a later prediction: a record at its new end
+                heapq.heappush(preds, (end, next(self._seq), pred))
+                self._predicted_hashes += len(pred.hashes)
+                continue
+            pred.dead = True
+            pred.keepers, pred.kept = [], []
+            blocks = self._eps.get(pred.endpoint)
             if blocks is None:
                 continue
-            entry = blocks.get(h)
             # Only the prediction that set this expiry may remove it; confirmed entries have mask bits.
-            if entry is not None and entry[0] == PREDICTED and entry[1] == expires:
-                del blocks[h]
-                self._size -= 1
+            for h, entry in zip(pred.hashes, map(blocks.get, pred.hashes), strict=True):
+                if entry is not None and entry[0] == PREDICTED and entry[1] is pred:
+                    del blocks[h]
+                    self._size -= 1
 
     def _enforce_bound(self) -> None:
         while self._size > self.max_blocks:

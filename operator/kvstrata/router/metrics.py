@@ -37,6 +37,13 @@ class RouterMetrics:
             f"{p}_affinity_share", "Share of decisions decided by a cached-prefix overlap", registry=r
         )
         self.prompt_tokens = Counter(f"{p}_prompt_tokens", "Prompt tokens of routed requests", registry=r)
+        self.prompt_chars = Counter(
+            f"{p}_prompt_chars",
+            "Prompt characters routed, by how their tokens were had: reused (an earlier prompt's chunks) "
+            "or tokenized",
+            ["path"],
+            registry=r,
+        )
         self.predicted_cached_tokens = Counter(
             f"{p}_predicted_cached_tokens",
             "Cached prompt tokens the index predicted on the chosen endpoint",

@@ -60,7 +60,11 @@ class Waiter:
 
     def cut_off(self) -> None:
         self.cut = True
-        self.timeout.reschedule(asyncio.get_running_loop().time())
+        # A wait whose own deadline is firing right now cannot be rescheduled (asyncio raises
+        # "Cannot change state of expiring Timeout"; seen under heavy load when several waits on one
+        # engine time out together): it ends anyway.
+        if not self.timeout.expired():
+            self.timeout.reschedule(asyncio.get_running_loop().time())
 
 
 @dataclass(eq=False, slots=True)

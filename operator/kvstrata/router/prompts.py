@@ -24,6 +24,9 @@ import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer
 
+from kvstrata.api.router_config import HashAlgo
+from kvstrata.router.incremental import IncrementalEncoder, Proof, prove
+
 
 class TokenizerLoadError(ValueError):
     pass
@@ -106,6 +109,26 @@ class LocalTokenizer:
         # The first encode pays a one-off set-up (~90 ms measured with the tiny model's byte-level BPE);
         # pay it here, not in the first requests' routing time.
         self._ids("warm up the tokenizer", add_special_tokens=True)
+        self._proof: Proof | None = None
+        self._encoders: dict[tuple[bool, int, str], IncrementalEncoder] = {}
+
+    def incremental(self, add_special_tokens: bool, block_size: int, algo: HashAlgo) -> IncrementalEncoder:
+        """The prompt → (tokens, block hashes) encoder that reuses earlier prompts' chunks
+        (router/incremental.py): one for completions (``add_special_tokens``), one for rendered chat."""
+        key = (add_special_tokens, block_size, algo)
+        enc = self._encoders.get(key)
+        if enc is None:
+            if self._proof is None:
+                self._proof = prove(self.tokenizer)
+            enc = IncrementalEncoder(
+                self.tokenizer,
+                add_special_tokens=add_special_tokens,
+                block_size=block_size,
+                algo=algo,
+                proof=self._proof,
+            )
+            self._encoders[key] = enc
+        return enc
 
     def encode_completion(self, prompt: str) -> list[int]:
         return self._ids(prompt, add_special_tokens=True)

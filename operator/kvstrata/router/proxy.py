@@ -67,6 +67,10 @@ _REQ_DROP = _HOP_BY_HOP | {"accept-encoding"}
 # The upstream session does not decompress, so content-encoding travels with the untouched body.
 _RESP_DROP = _HOP_BY_HOP | {"date", "server"}
 _RETRYABLE_STATUS = 500
+# Bodies up to this size are parsed on the event loop (msgspec: about 1 ms per MB, and it holds the GIL
+# in a thread just the same); larger ones in a thread, so that checking a million token ids or sizing a
+# long conversation (Python loops, which yield the GIL) does not hold other requests up.
+_PARSE_INLINE_BYTES = 1 << 20
 
 
 def _request_headers(request: web.Request, decoded: bool) -> dict[str, str]:
@@ -137,7 +141,11 @@ class Proxy:
     async def _generate(self, request: web.Request, kind: Kind) -> web.StreamResponse:
         try:
             raw, decoded = await self._read(request)
-            parsed = parse_request(raw, kind, self.settings.model, self.settings.max_prompt_chars)
+            args = (raw, kind, self.settings.model, self.settings.max_prompt_chars)
+            if len(raw) <= _PARSE_INLINE_BYTES:
+                parsed = parse_request(*args)
+            else:
+                parsed = await asyncio.get_running_loop().run_in_executor(None, parse_request, *args)
         except BadRequest as exc:
             return self._refuse(exc)
         header = self.settings.session_header
@@ -443,6 +451,7 @@ class Proxy:
             "indexEvictions": router.index.evictions,
             "endpoints": endpoints,
             "staleIndexEndpoints": stale,
+            "incrementalTokenization": router.tokenizer_state(),
         }
         return web.json_response(body)
 

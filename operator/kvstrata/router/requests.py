@@ -61,7 +61,8 @@ class ParsedRequest:
 
 
 def _is_int_list(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
+    # set(map(type, ...)) runs in C: a 100K-id prompt is checked in a few ms, not tens.
+    return isinstance(value, list) and bool(value) and set(map(type, value)) == {int}
 
 
 def _prompt(body: dict[str, Any]) -> tuple[str | None, list[int] | None]:

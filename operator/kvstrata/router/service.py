@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import sys
 import time
 from typing import Self
 
@@ -36,6 +37,9 @@ from kvstrata.router.proxy import build_admin_app, build_app
 from kvstrata.router.subscriber import KvEventSubscriber
 
 log = logging.getLogger("kvstrata.router")
+
+
+_GIL_SWITCH_SECONDS = 0.001
 
 
 class RouterService:
@@ -66,6 +70,10 @@ class RouterService:
         await self.stop()
 
     async def start(self) -> None:
+        # Tokenizer threads that run Python (hashing a huge prompt's blocks) hand the GIL back to the
+        # event loop every millisecond instead of every 5 ms (CPython's default), so a request on the
+        # loop waits at most about that long behind them.
+        sys.setswitchinterval(_GIL_SWITCH_SECONDS)
         try:
             await self._start()
         except BaseException:

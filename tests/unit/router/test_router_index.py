@@ -70,14 +70,38 @@ def test_predictions_expire_in_expiry_order_whatever_their_ttl() -> None:
     """A request in flight is predicted until its prefill ends (long TTL), then for the short TTL."""
     clock = Clock()
     idx = BlockIndex(100, clock=clock)
-    idx.predict("a", [1, 2], ttl=600)  # in flight
+    in_flight = idx.predict("a", [1, 2], ttl=600)  # in flight
     idx.predict("b", [1, 2], ttl=5)  # another request, already settled
     clock.t += 6
     assert idx.lookup([1, 2]) == {"a": PrefixMatch(2, predicted=2)}
     assert len(idx) == 2  # b's entries left although a's longer expiry was queued first
-    idx.predict("a", [1, 2], ttl=5)  # a's prefill is over: the prediction shortens
+    assert in_flight is not None
+    idx.retime(in_flight, 5)  # a's prefill is over: the prediction shortens
     clock.t += 6
     assert idx.lookup([1, 2]) == {} and len(idx) == 0
+
+
+def test_a_later_prediction_holds_an_earlier_ones_blocks_while_it_lives() -> None:
+    """The next turn of a conversation re-predicts the earlier blocks by holding the earlier prediction,
+    not by rewriting each block: those blocks live while either request does, and no longer."""
+    clock = Clock()
+    idx = BlockIndex(100, clock=clock)
+    turn1 = idx.predict("a", [1, 2], ttl=5)
+    turn2 = idx.predict("a", [1, 2, 3], ttl=600)  # in flight, holds turn 1's blocks
+    assert turn1 is not None and turn2 is not None
+    clock.t += 6
+    assert idx.lookup([1, 2, 3]) == {"a": PrefixMatch(3, predicted=3)}
+    idx.retime(turn2, 5)  # turn 2's prefill is over
+    clock.t += 4
+    assert idx.lookup([1, 2, 3]) == {"a": PrefixMatch(3, predicted=3)}
+    clock.t += 2
+    assert idx.lookup([1, 2, 3]) == {} and len(idx) == 0
+    # Confirmed blocks stay whatever the predictions do.
+    idx.predict("a", [1, 2], ttl=5)
+    idx.apply("a", stored([1]))
+    idx.predict("a", [1, 2, 3], ttl=5)
+    clock.t += 6
+    assert idx.lookup([1, 2, 3]) == {"a": PrefixMatch(1, gpu=1)} and len(idx) == 1
 
 
 def test_prediction_heap_stays_bounded_under_refreshes() -> None:

@@ -1,0 +1,273 @@
+"""`make bench-router-overhead`: the latency a router adds to long prompts, cold and extending a known one.
+
+Every router sits in front of the same static nginx backend (bench/nginx_backend.py: canned answers, so
+only the router is measured). For each prompt size (1K, 8K, 32K, 128K tokens of the tiny model's
+tokenizer) and each mode, requests are sent one at a time over one keep-alive connection, each one
+twice in a row: straight to nginx, then through the router; the figure is the paired difference
+(router - direct) per request, so the machine's drifting load cancels out.
+
+- cold: every request a prompt the router has never seen (distinct text from the first character);
+- extend: a conversation: the first turn is sent untimed, then every timed request is the previous
+  prompt plus a new turn of about 40 tokens (what a multi-turn chat or an agent sends).
+
+The reference for cold prompts is the engine's own tokenization of the same prompt: the Rust tokenizer
+vLLM's fast tokenizer wraps (`tokenizers.Tokenizer.encode`), timed in this process. Figures are printed
+side by side and written to .bench/overhead.json; the benchmark never fails the build on a figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from bench import nginx_backend
+from bench.procs import BenchError, ProcGroup, bench_main
+from bench.report import fmt, group_cpu_seconds, machine, percentile, table
+from bench.routers import RouterConfig, Worker, start_router
+
+DEFAULT_ROUTERS = ("kvstrata/kv-aware", "sglang-router/cache_aware", "vllm-router/cache_aware")
+DEFAULT_SIZES = (1024, 8192, 32768, 131072)
+MODES = ("cold", "extend")
+_TURN_WORDS = 30  # ~40 tokens of the tiny model per new turn
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.overhead_bench", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--routers",
+        default=os.environ.get("BENCH_OVERHEAD_ROUTERS", ",".join(DEFAULT_ROUTERS)),
+        help="comma-separated <impl>/<policy> list (default: %(default)s)",
+    )
+    p.add_argument(
+        "--sizes",
+        default=os.environ.get("BENCH_OVERHEAD_SIZES", ",".join(map(str, DEFAULT_SIZES))),
+        help="prompt sizes in tokens (default: %(default)s)",
+    )
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=int(os.environ.get("BENCH_OVERHEAD_REQUESTS", "15")),
+        help="timed requests per router, size and mode (default: %(default)s)",
+    )
+    p.add_argument("--out", type=Path, default=Path(".bench/overhead.json"))
+    p.add_argument("--workdir", type=Path, default=Path(".bench/overhead"))
+    return p.parse_args(argv)
+
+
+class Prompts:
+    """Prompt text of a given token count, from the tiny model's generated pseudo-English."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        from kvstrata_dev.testing.tinymodel import _corpus
+
+        self.tok = tokenizer
+        self.text = "".join(_corpus(1) + _corpus(2))
+        ids = tokenizer.encode(self.text[:20_000]).ids
+        self.chars_per_token = 20_000 / len(ids)
+        self.rng = random.Random(0)
+
+    def fit(self, text: str, tokens: int) -> str:
+        """``text`` cut to about ``tokens`` tokens (at a space)."""
+        n = int(tokens * self.chars_per_token)
+        cut = text.rfind(" ", 0, n)
+        return text[: cut if cut > 0 else n]
+
+    def cold(self, tokens: int, i: int) -> str:
+        # A distinct start (a serial number and a shuffled offset) makes every prompt new to every router.
+        n = int(tokens * self.chars_per_token) + 64
+        start = self.rng.randrange(0, max(1, len(self.text) - n))
+        body = (self.text[start:] + self.text)[:n]
+        return self.fit(f"Request {i} {self.rng.random():.12f}. " + body, tokens)
+
+    def turn(self) -> str:
+        words = self.text[self.rng.randrange(0, len(self.text) - 2000) :].split(" ")[:_TURN_WORDS]
+        return "\n\nUser: " + " ".join(words) + "\nAssistant:"
+
+
+def _post(conn: http.client.HTTPConnection, body: bytes) -> tuple[int, float]:
+    t0 = time.perf_counter()
+    conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    resp.read()
+    return resp.status, time.perf_counter() - t0
+
+
+def _conn(url: str) -> http.client.HTTPConnection:
+    u = urlsplit(url)
+    return http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port or 80, timeout=120)
+
+
+def _body(prompt: str) -> bytes:
+    return json.dumps({"model": nginx_backend.MODEL, "prompt": prompt, "max_tokens": 16}).encode()
+
+
+def _measure(
+    direct_url: str, router_url: str, prompts: list[str], warm: str | None, pgid: int
+) -> dict[str, Any]:
+    direct, routed = _conn(direct_url), _conn(router_url)
+    added: list[float] = []
+    errors = 0
+    cpu = 0.0
+    try:
+        if warm is not None:  # the conversation's first turn, untimed
+            _post(routed, _body(warm))
+        cpu0 = group_cpu_seconds(pgid)
+        for p in prompts:
+            body = _body(p)
+            s1, t_direct = _post(direct, body)
+            s2, t_router = _post(routed, body)
+            if s1 != 200 or s2 != 200:
+                errors += 1
+                continue
+            added.append((t_router - t_direct) * 1e3)
+        cpu = group_cpu_seconds(pgid) - cpu0
+    finally:
+        direct.close()
+        routed.close()
+    return {
+        "requests": len(prompts),
+        "errors": errors,
+        "added_ms": [round(a, 3) for a in added],
+        "p10_ms": _r(percentile(added, 10)),
+        "p50_ms": _r(percentile(added, 50)),
+        "p90_ms": _r(percentile(added, 90)),
+        # The router's own CPU (all its threads) per request: unlike latency, barely moved by the
+        # rest of the machine's load. Clock ticks: 10 ms resolution, summed over the cell.
+        "router_cpu_ms_per_req": round(cpu / len(prompts) * 1e3, 2) if prompts else None,
+    }
+
+
+def _r(v: float | None) -> float | None:
+    return None if v is None else round(v, 3)
+
+
+def _engine_tokenize_ms(tok: Any, prompts: list[str]) -> float | None:
+    times = []
+    for p in prompts:
+        t0 = time.perf_counter()
+        tok.encode(p, add_special_tokens=True)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return _r(percentile(times, 50))
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from tokenizers import Tokenizer
+
+    from kvstrata_dev.testing.tinymodel import default_tiny_model_dir, ensure_tiny_model
+
+    routers = [r.strip() for r in args.routers.split(",") if r.strip()]
+    sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+    model_dir = ensure_tiny_model(default_tiny_model_dir())
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    gen = Prompts(tok)
+    # The same prompts for every router: cold ones fresh to each (a fresh router process each time).
+    cold = {n: [gen.cold(n, i) for i in range(args.requests)] for n in sizes}
+    convs: dict[int, tuple[str, list[str]]] = {}
+    for n in sizes:
+        first = gen.cold(n, 10_000 + n)
+        turns, prompt = [], first
+        for _ in range(args.requests):
+            prompt += gen.turn()
+            turns.append(prompt)
+        convs[n] = (first, turns)
+    engine_ms = {n: _engine_tokenize_ms(tok, cold[n][:5]) for n in sizes}
+    cfg = RouterConfig(model=nginx_backend.MODEL, tokenizer_dir=model_dir, block_size=32)
+    results: list[dict[str, Any]] = []
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    with ProcGroup(args.workdir / "logs") as procs:
+        backend = nginx_backend.start_backend(procs, args.workdir, 3)
+        direct_url = backend.json_urls[0]
+        for name in routers:
+            running = None
+            try:
+                running = start_router(procs, name, [Worker(u) for u in backend.json_urls], cfg)
+                pgid = running.proc.popen.pid
+                for n in sizes:
+                    for mode in MODES:
+                        if mode == "cold":
+                            row = _measure(direct_url, running.url, cold[n], None, pgid)
+                        else:
+                            row = _measure(direct_url, running.url, convs[n][1], convs[n][0], pgid)
+                        row.update(router=name, tokens=n, mode=mode)
+                        results.append(row)
+                        print(
+                            f"  {name:28} {n:>7} tokens {mode:6} added p50 {fmt(row['p50_ms'], 2)} ms"
+                            f"  p90 {fmt(row['p90_ms'], 2)} ms  cpu/req {fmt(row['router_cpu_ms_per_req'], 2)} ms"
+                            f"  errors {row['errors']}",
+                            flush=True,
+                        )
+            except BenchError as exc:
+                results.append({"router": name, "problem": str(exc).splitlines()[0]})
+                print(f"  {name}: FAILED {str(exc).splitlines()[0]}", flush=True)
+            finally:
+                if running is not None:
+                    procs.stop(running.proc)
+    return {
+        "benchmark": "router-overhead",
+        "machine": machine(),
+        "settings": {
+            "sizes_tokens": sizes,
+            "requests": args.requests,
+            "turn_words": _TURN_WORDS,
+            "chars_per_token": round(gen.chars_per_token, 3),
+            "backend": "nginx, canned completion (no engine: only the router is measured)",
+            "method": "paired: each request straight to nginx, then through the router; added = difference",
+        },
+        "engine_tokenize_p50_ms": engine_ms,
+        "results": results,
+    }
+
+
+def render(payload: dict[str, Any]) -> str:
+    rows_by: dict[tuple[int, str], dict[str, dict[str, Any]]] = {}
+    routers: list[str] = []
+    problems = []
+    for r in payload["results"]:
+        if "problem" in r:
+            problems.append(f"! {r['router']}: {r['problem']}")
+            continue
+        if r["router"] not in routers:
+            routers.append(r["router"])
+        rows_by.setdefault((r["tokens"], r["mode"]), {})[r["router"]] = r
+    headers = ["tokens", "mode", "engine tokenize ms"]
+    for r in routers:
+        headers += [f"{r} p50 / p90 (p10)", "cpu/req"]
+    rows = []
+    for (n, mode), by in sorted(rows_by.items()):
+        eng = payload["engine_tokenize_p50_ms"].get(str(n), payload["engine_tokenize_p50_ms"].get(n))
+        cells = [str(n), mode, fmt(eng, 2) if mode == "cold" else ""]
+        for name in routers:
+            r = by.get(name)
+            if r is None:
+                cells += ["-", "-"]
+                continue
+            cells.append(
+                f"{fmt(r['p50_ms'], 2)} / {fmt(r['p90_ms'], 2)} ({fmt(r['p10_ms'], 2)})"
+                + (f" {r['errors']} err" if r["errors"] else "")
+            )
+            cells.append(fmt(r.get("router_cpu_ms_per_req"), 2))
+        rows.append(cells)
+    s = payload["settings"]
+    lines = [
+        f"latency added by each router (ms, paired vs direct nginx), {s['requests']} requests per cell, "
+        f"{payload['machine']['cpus']} CPUs shared by client, router and nginx",
+        table(headers, rows),
+        *problems,
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    return bench_main("bench-router-overhead", lambda: run(args), render, args.out)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

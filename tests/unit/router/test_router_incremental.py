@@ -1,0 +1,305 @@
+"""Incremental tokenization (router/incremental.py): a prompt cut into chunks and reused across prompts
+gives exactly the ids and block hashes of a whole encode, for every tokenizer family the project
+generates or ships in tests, and for families it cannot prove it falls back to whole encodes."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+from kvstrata.router.hashing import block_hashes
+from kvstrata.router.incremental import (
+    LLAMA3_PATTERN,
+    QWEN2_PATTERN,
+    IncrementalEncoder,
+    prove,
+)
+from kvstrata.router.prompts import LocalTokenizer
+
+BLOCK = 4  # small blocks: many block boundaries fall near the cuts
+
+_WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "lazy",
+    "dog",
+    "and",
+    "then",
+    "some",
+    "more",
+    "words",
+    "follow",
+    "here",
+    "numbers",
+    "1",
+    "22",
+    "333",
+    "4444",
+    "55555",
+    "it's",
+    "they're",
+    "we'll",
+    "I'd",
+    "you've",
+    "I'm",
+    "Ünïcödé",
+    "wörds",
+    "café",
+    "naïve",
+    "日本語",
+    "テキスト",
+    "emoji",
+    "😀",
+    "🚀",
+    "Привет",
+    "мир",
+    "UPPER",
+    "lower",
+    "MiXeD",
+    "snake_case",
+    "kebab-case",
+    "path/to/file.py",
+    "x=f(y)+42;",
+]
+_SEPS = (" ", " ", " ", " ", "  ", "\n", "\n\n", "\t", ", ", ". ", " \n ", "   ")
+
+
+def _text(rng: random.Random, n_words: int, specials: tuple[str, ...] = ()) -> str:
+    out = []
+    for _ in range(n_words):
+        out.append(rng.choice(_WORDS))
+        if specials and rng.random() < 0.03:
+            out.append(rng.choice(specials))
+        out.append(rng.choice(_SEPS))
+    return "".join(out)
+
+
+def _corpus_for_training() -> list[str]:
+    rng = random.Random(7)
+    return [_text(rng, 200) for _ in range(60)]
+
+
+def _bpe(pre: pre_tokenizers.PreTokenizer, *, byte_level: bool) -> Tokenizer:
+    tok = Tokenizer(models.BPE(unk_token=None if byte_level else "<unk>"))
+    tok.pre_tokenizer = pre
+    if byte_level:
+        tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet() if byte_level else []
+    trainer = trainers.BpeTrainer(
+        vocab_size=600,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=alphabet,
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus_for_training(), trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return tok
+
+
+def gpt2_prefix_space() -> Tokenizer:
+    return _bpe(pre_tokenizers.ByteLevel(add_prefix_space=True), byte_level=True)
+
+
+def llama3_split() -> Tokenizer:
+    pre = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    return _bpe(pre, byte_level=True)
+
+
+def qwen2_split() -> Tokenizer:
+    pre = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    return _bpe(pre, byte_level=True)
+
+
+def metaspace_bpe() -> Tokenizer:
+    return _bpe(pre_tokenizers.Metaspace(prepend_scheme="first"), byte_level=False)
+
+
+def metaspace_unigram() -> Tokenizer:
+    tok = Tokenizer(models.Unigram())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
+    trainer = trainers.UnigramTrainer(
+        vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"], unk_token="<unk>", show_progress=False
+    )
+    tok.train_from_iterator(_corpus_for_training(), trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return tok
+
+
+def wordlevel_whitespace_split() -> Tokenizer:
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for w in " ".join(_corpus_for_training()).split():
+        vocab.setdefault(w, len(vocab))
+        if len(vocab) > 300:
+            break
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.add_special_tokens(["<s>", "</s>", "<|user|>", "<|assistant|>"])
+    return tok
+
+
+def wordpiece_whitespace() -> Tokenizer:
+    tok = Tokenizer(models.WordPiece(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=500, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False
+    )
+    tok.train_from_iterator(_corpus_for_training(), trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", 1), ("</s>", 2)]
+    )
+    return tok
+
+
+def tiny_model() -> Tokenizer:
+    from kvstrata_dev.testing.tinymodel import default_tiny_model_dir, ensure_tiny_model
+
+    return Tokenizer.from_file(str(ensure_tiny_model(default_tiny_model_dir()) / "tokenizer.json"))
+
+
+PROVEN: dict[str, Callable[[], Tokenizer]] = {
+    "byte-level-bpe/gpt2+bpe": tiny_model,  # the tiny model the project generates
+    "byte-level-bpe/gpt2+bpe prefix space": gpt2_prefix_space,
+    "byte-level-bpe/llama3+bpe": llama3_split,
+    "byte-level-bpe/qwen2+bpe": qwen2_split,
+    "metaspace+bpe": metaspace_bpe,
+    "metaspace+unigram": metaspace_unigram,
+    "whitespacesplit+wordlevel": wordlevel_whitespace_split,  # the router tests' fixture family
+    "whitespace+wordpiece": wordpiece_whitespace,
+}
+
+
+def _unproven_nfc() -> Tokenizer:
+    tok = _bpe(pre_tokenizers.ByteLevel(add_prefix_space=False), byte_level=True)
+    tok.normalizer = normalizers.NFC()
+    return tok
+
+
+def _unproven_no_pre() -> Tokenizer:
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>"], show_progress=False)
+    tok.train_from_iterator(_corpus_for_training(), trainer=trainer)
+    return tok
+
+
+UNPROVEN: dict[str, Callable[[], Tokenizer]] = {"nfc": _unproven_nfc, "no pre-tokenizer": _unproven_no_pre}
+
+
+def _prompts(specials: tuple[str, ...]) -> list[str]:
+    """Multi-turn conversations (each turn extends the last), unicode, whitespace edges, and
+    prefixes ending anywhere: inside a word, right after a multi-byte character, in a space run."""
+    rng = random.Random(11)
+    out: list[str] = []
+    for _ in range(4):
+        conv = _text(rng, 30, specials)
+        for _turn in range(5):
+            conv += _text(rng, rng.randint(5, 60), specials)
+            out.append(conv)
+    base = _text(rng, 80, specials)
+    for k in range(len(base) // 3, len(base), 7):  # every 7th prefix of one long prompt
+        out.append(base[:k])
+    out.append(base + "   ")
+    out.append(base + " \n\n\t ")
+    out += ["", " ", "a", "  leading", "trailing  ", "😀😀 😀", "word " * 50, "\n" * 30 + "x"]
+    return out
+
+
+def _check_family(tok: Tokenizer, *, chunk: int) -> IncrementalEncoder:
+    specials = tuple(t.content for t in tok.get_added_tokens_decoder().values())
+    for add_special in (True, False):
+        enc = IncrementalEncoder(tok, add_special_tokens=add_special, block_size=BLOCK, chunk_chars=chunk)
+        for text in _prompts(specials):
+            want = tok.encode(text, add_special_tokens=add_special).ids
+            assert enc.chunked_ids(text, step=1) == want, text[:60]
+            got = enc.encode(text)  # the trie is warm with the earlier prompts
+            assert (got.tokens, got.hashes) == (len(want), block_hashes(want, BLOCK)), text[:60]
+    return enc
+
+
+@pytest.mark.parametrize("family", sorted(PROVEN))
+def test_incremental_equals_whole_encode(family: str) -> None:
+    tok = PROVEN[family]()
+    proof = prove(tok)
+    assert proof.family == family.split(" ")[0], proof.reason
+    enc = _check_family(tok, chunk=16)
+    assert enc.enabled and enc.stats()["chunks"] > 0
+
+
+@pytest.mark.parametrize("name", sorted(UNPROVEN))
+def test_unproven_tokenizers_are_encoded_whole(name: str) -> None:
+    tok = UNPROVEN[name]()
+    assert prove(tok).family is None
+    enc = _check_family(tok, chunk=16)
+    assert not enc.enabled and enc.stats()["chunks"] == 0
+
+
+def test_an_extending_prompt_tokenizes_only_its_tail() -> None:
+    tok = tiny_model()
+    enc = IncrementalEncoder(tok, add_special_tokens=True, block_size=32, chunk_chars=256)
+    rng = random.Random(3)
+    prompt = _text(rng, 3000)
+    first = enc.encode(prompt)
+    assert first.reused_chars == 0
+    turn = prompt + " and the next question is here, with a few more words."
+    second = enc.encode(turn)
+    ids = tok.encode(turn).ids
+    assert (second.tokens, second.hashes) == (len(ids), block_hashes(ids, 32))
+    # All but the last chunk or two of the earlier prompt came from the cache.
+    assert second.reused_chars > len(prompt) - 3 * 256 - 64
+    # A prompt that shares only the first half reuses that half and no more.
+    fork = prompt[: len(prompt) // 2] + " something else entirely."
+    third = enc.encode(fork)
+    ids = tok.encode(fork).ids
+    assert (third.tokens, third.hashes) == (len(ids), block_hashes(ids, 32))
+    assert len(prompt) // 2 - 3 * 256 - 64 < third.reused_chars <= len(prompt) // 2
+
+
+def test_the_cache_is_bounded() -> None:
+    tok = tiny_model()
+    enc = IncrementalEncoder(
+        tok, add_special_tokens=True, block_size=32, chunk_chars=64, max_cached_chars=5000
+    )
+    rng = random.Random(5)
+    for _ in range(20):
+        text = _text(rng, 300)
+        got = enc.encode(text)
+        ids = tok.encode(text).ids
+        assert got.hashes == block_hashes(ids, 32)
+        assert enc.stats()["cachedChars"] <= 5000
+
+
+def test_chat_turns_reuse_the_rendered_conversation(tmp_path: Path) -> None:
+    from kvstrata_dev.testing.tinymodel import default_tiny_model_dir, ensure_tiny_model
+
+    lt = LocalTokenizer(ensure_tiny_model(default_tiny_model_dir()))
+    enc = lt.incremental(False, 32, "sha256")
+    rng = random.Random(9)
+    messages = [{"role": "system", "content": _text(rng, 400)}]
+    reused = []
+    for turn in range(4):
+        messages.append({"role": "user", "content": _text(rng, 30)})
+        rendered = lt.render_chat(messages)
+        got = enc.encode(rendered)
+        ids = lt.encode_chat(messages)
+        assert (got.tokens, got.hashes) == (len(ids), block_hashes(ids, 32))
+        reused.append(got.reused_chars)
+        messages.append({"role": "assistant", "content": _text(rng, 20 + turn)})
+    assert reused[0] == 0 and all(r > 1000 for r in reused[1:])
