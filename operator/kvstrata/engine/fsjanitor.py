@@ -36,6 +36,11 @@ BLOCK_SUFFIX = ".bin"
 # written between two scans, so the directory stays under the budget itself.
 HIGH_WATER = 0.85
 LOW_WATER = 0.70
+# The sidecar's metrics (port 9402): the dashboard and tests name them from here.
+METRIC_USED = "kvstrata_fs_tier_used_bytes"
+METRIC_BUDGET = "kvstrata_fs_tier_budget_bytes"
+METRIC_EVICTED_BYTES = "kvstrata_fs_tier_evicted_bytes"  # counters: exported with a _total suffix
+METRIC_EVICTED_FILES = "kvstrata_fs_tier_evicted_files"
 
 
 @dataclass(frozen=True)
@@ -125,10 +130,10 @@ def run(
 ) -> None:  # pragma: no cover
     from prometheus_client import Counter, Gauge, start_http_server
 
-    used_g = Gauge("kvstrata_fs_tier_used_bytes", "Bytes in the fs KV tier directory after the last pass")
-    budget_g = Gauge("kvstrata_fs_tier_budget_bytes", "Byte budget of the fs KV tier")
-    evicted_bytes = Counter("kvstrata_fs_tier_evicted_bytes", "Bytes of KV block files evicted")
-    evicted_files = Counter("kvstrata_fs_tier_evicted_files", "KV block files evicted")
+    used_g = Gauge(METRIC_USED, "Bytes in the fs KV tier directory after the last pass")
+    budget_g = Gauge(METRIC_BUDGET, "Byte budget of the fs KV tier")
+    evicted_bytes = Counter(METRIC_EVICTED_BYTES, "Bytes of KV block files evicted")
+    evicted_files = Counter(METRIC_EVICTED_FILES, "KV block files evicted")
     budget_g.set(budget_bytes)
     if metrics_port is not None:
         start_http_server(metrics_port, addr=metrics_host or "0.0.0.0")
