@@ -20,9 +20,10 @@ from kvstrata_dev.testing.engines import vllm_python
 # KVSTRATA_E2E_EXAMPLE: run the same tests on another CPU manifest (three replicas, a pvc:// tiny model).
 EXAMPLE = Path(os.environ.get("KVSTRATA_E2E_EXAMPLE") or REPO / "examples" / "tiny-cpu.yaml")
 TIERED_EXAMPLE = REPO / "examples" / "tiny-cpu-tiered.yaml"
-# 96 MiB PVC: the plan's budget is 90% of it (~86 MiB, ~18 prompts of ~600 tokens at 8 KiB per token);
-# the janitor keeps 70-85% of that (~13-15 prompts), more than the CPU tier's 24 MiB (~5 prompts).
-TIERED_NVME = "96Mi"
+# 64 MiB PVC: the plan's budget is 90% of it (~58 MiB, ~13 prompts of ~600 tokens at 8 KiB per token),
+# which ~20 prompts per engine run past; the janitor keeps 70-85% of it (~9-11 prompts), more than the
+# CPU tier's 24 MiB (~5 prompts), so prompts a few more back still come from the NVMe tier.
+TIERED_NVME = "64Mi"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -39,7 +39,7 @@ from kvstrata_dev.e2e.stack import Stack
 pytestmark = pytest.mark.timeout(1800)
 
 NVME_MOUNT = "/kv-cache"
-NEW_PROMPTS = 40  # ~20 per engine x ~4.75 MiB of KV each: past the ~86 MiB NVMe budget (TIERED_NVME)
+NEW_PROMPTS = 40  # ~20 per engine x ~4.4 MB of KV each: past the ~60 MB NVMe budget (TIERED_NVME)
 prompt = workload.distinct_prompt
 
 
