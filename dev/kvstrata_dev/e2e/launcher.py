@@ -346,6 +346,8 @@ class Launcher:
         if dirs is None:
             return None
         spec = launch_spec(pod, programs=self.programs[component], volume_dirs=dirs)
+        # The only native sidecar a device-cpu pod renders is the fs-tier janitor, whose one bind is its
+        # metrics server; a sidecar with another bind flag would need its own entry here.
         sidecars = [
             Sidecar(
                 launch_spec(
