@@ -1,6 +1,6 @@
 # Benchmarks: kvstrata's router vs vllm-router and sglang-router. Figures are printed and written to
 # .bench/*.json; they never fail a build. See docs/benchmarks.md.
-.PHONY: bench-router bench-proxy bench-deps bench-tools bench-lint
+.PHONY: bench-router bench-router-tiers bench-proxy bench-deps bench-tools bench-lint
 
 BENCH_DIR ?= .bench
 
@@ -29,6 +29,11 @@ bench-tools: $(BENCH_TOOLS_STAMP)
 # BENCH_CONVERSATIONS, BENCH_TURNS, BENCH_GROUPS (see python -m bench.router_bench --help).
 bench-router: venv vllm bench-deps
 	$(PY) -m bench.router_bench --out $(BENCH_DIR)/router.json $(BENCH_ARGS)
+
+# The same workload on engines without and then with CPU DRAM + NVMe (fs) KV tiers, in one run
+# (bench/tiers_bench.py); e.g. BENCH_ARGS="--routers kvstrata/kv-aware --seeds 7".
+bench-router-tiers: venv vllm bench-deps
+	$(PY) -m bench.tiers_bench --out $(BENCH_DIR)/router-tiers.json $(BENCH_ARGS)
 
 # Router overhead: req/s and added latency to a static nginx backend, non-streaming and SSE.
 bench-proxy: venv bench-deps bench-tools
