@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from bench.tiers_bench import render, tier_args
 from helpers import example
 
-from bench.tiers_bench import render, tier_args
 from kvstrata.api.manifest import validate
 from kvstrata.planner import plan
 
