@@ -1,6 +1,6 @@
 # Benchmarks: kvstrata's router vs vllm-router and sglang-router. Figures are printed and written to
 # .bench/*.json; they never fail a build. See docs/benchmarks.md.
-.PHONY: bench-router bench-router-fixed bench-proxy bench-router-overhead bench-deps bench-tools bench-lint
+.PHONY: bench-router bench-router-fixed bench-router-tiers bench-proxy bench-router-overhead bench-deps bench-tools bench-lint
 
 BENCH_DIR ?= .bench
 
@@ -33,6 +33,11 @@ bench-router: venv vllm bench-deps
 # The earlier fixed shape (one shared-prefix multi-turn workload, ten seeds; docs/benchmarks.md).
 bench-router-fixed: venv vllm bench-deps
 	$(PY) -m bench.router_bench --out $(BENCH_DIR)/router.json $(BENCH_ARGS)
+
+# The same workload on engines without and then with CPU DRAM + NVMe (fs) KV tiers, in one run
+# (bench/tiers_bench.py); e.g. BENCH_ARGS="--routers kvstrata/kv-aware --seeds 7".
+bench-router-tiers: venv vllm bench-deps
+	$(PY) -m bench.tiers_bench --out $(BENCH_DIR)/router-tiers.json $(BENCH_ARGS)
 
 # Router overhead: req/s and added latency to a static nginx backend, non-streaming and SSE.
 bench-proxy: venv bench-deps bench-tools

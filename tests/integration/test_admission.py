@@ -78,14 +78,15 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any], str, list[str]]] = [
         "cel",
         ["spec.kvCache.blockSize", "multiple of 32"],
     ),
+    # device cpu takes CPU and NVMe tiers (kvstrata's CPU-platform copy worker); LMCache stays refused
+    # there (its wheel ships CUDA ops), by the planner through the webhook.
     (
-        "cpu-offload-tier",
+        "cpu-lmcache-tier",
         TINY,
-        {"spec.kvCache.tiers.cpu": {"size": "8Gi"}},
-        "cel",
-        ["spec.kvCache.tiers.cpu"],
+        {"spec.kvCache.tiers.cpu": {"size": "8Gi"}, "spec.kvCache.offload": {"backend": "lmcache"}},
+        "webhook",
+        ["spec.kvCache.offload.backend"],
     ),
-    ("cpu-nvme-tier", TINY, {"spec.kvCache.tiers.nvme": {"size": "8Gi"}}, "cel", ["spec.kvCache.tiers.nvme"]),
     (
         "cpu-pool-whole-gib",
         TINY,

@@ -106,7 +106,7 @@ def test_get_ic_shows_printer_columns(operator_env: OperatorEnv) -> None:
     env.wait_ready("tiny")
     out = env.lc.kubectl("get", "ic", "tiny", "-n", env.ns).stdout.splitlines()
     header = out[0].split()
-    assert header == ["NAME", "READY", "HIT%", "KV%", "TIERS", "VERDICT", "AGE"]
+    assert header == ["NAME", "READY", "HIT%", "GPU%", "CPU%", "NVME%", "KV%", "TIERS", "VERDICT", "AGE"]
     row = out[1].split()
     assert row[0] == "tiny" and row[1] == "3/3" and "gpu" in row and "fits" in row
 

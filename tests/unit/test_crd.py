@@ -49,7 +49,7 @@ def test_quantities_are_int_or_string_with_a_pattern() -> None:
 def test_printer_columns_and_subresources() -> None:
     version = crd_mod.crd()["spec"]["versions"][0]
     names = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert names[:4] == ["Ready", "Hit%", "KV%", "Tiers"] and names[-1] == "Age"
+    assert names[:7] == ["Ready", "Hit%", "GPU%", "CPU%", "NVMe%", "KV%", "Tiers"] and names[-1] == "Age"
     scale = version["subresources"]["scale"]
     assert scale["labelSelectorPath"] == ".status.selector"
     assert "status" in version["subresources"]

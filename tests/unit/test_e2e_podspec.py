@@ -11,15 +11,16 @@ from helpers import example
 from kvstrata.api.manifest import validate
 from kvstrata.planner import plan
 from kvstrata.render import render
-from kvstrata_dev.e2e.launcher import readiness_patch
-from kvstrata_dev.e2e.podspec import PodSpecError, launch_spec, set_flag, static_discovery
+from kvstrata_dev.e2e.launcher import PODNET_DIR, engine_pythonpath, readiness_patch
+from kvstrata_dev.e2e.podspec import PodSpecError, launch_spec, native_sidecars, set_flag, static_discovery
+from kvstrata_dev.repo import REPO
 
 VLLM_PY = "/opt/vllm/bin/python"
 KVSTRATA = "/opt/kvstrata/bin/kvstrata"
 
 
-def rendered(kind: str, name: str) -> dict:
-    ic = validate(example("tiny-cpu.yaml"))
+def rendered(kind: str, name: str, manifest: str = "tiny-cpu.yaml") -> dict:
+    ic = validate(example(manifest))
     for obj in render(ic.metadata.name, "demo", ic.spec, plan(ic.spec), "uid-ic"):
         if obj["kind"] == kind and obj["metadata"]["name"] == name:
             return obj
@@ -159,3 +160,45 @@ def test_router_config_paths_follow_the_mounts(tmp_path: Path) -> None:
     cfg = json.loads(rendered("ConfigMap", "tiny-router")["data"]["router.json"])
     assert cfg["tokenizer"] == "/models/tiny-llama"
     assert rewrite_paths(cfg, spec.mounts)["tokenizer"] == str(tmp_path / "pv" / "tiny-llama")
+
+
+def tiered_pod() -> dict:
+    return as_pod(
+        rendered("StatefulSet", "tiny-tiered-engine", "tiny-cpu-tiered.yaml"), "tiny-tiered-engine-0"
+    )
+
+
+def test_tiered_engine_pod_runs_its_janitor_sidecar_on_the_pods_own_kv_dir(tmp_path: Path) -> None:
+    pod = tiered_pod()
+    dirs = {
+        "model": tmp_path / "pv-models",
+        "tmp": tmp_path / "tmp",
+        "kv-cache": tmp_path / "pv-kv-cache-0",  # the pod's own PVC (volumeClaimTemplates)
+    }
+    assert native_sidecars(pod) == ["fs-janitor"]
+    engine = launch_spec(pod, programs={"python3": VLLM_PY}, volume_dirs=dirs)
+    janitor = launch_spec(
+        pod,
+        container_name="fs-janitor",
+        programs={"python3": VLLM_PY},
+        volume_dirs=dirs,
+        bind_flag="--metrics-host",
+    )
+    # The engine's fs tier and the janitor's root are the same local directory: the pod's PVC.
+    transfer = json.loads(flag(engine.argv, "--kv-transfer-config"))
+    (fs,) = transfer["kv_connector_extra_config"]["secondary_tiers"]
+    assert fs["root_dir"] == str(tmp_path / "pv-kv-cache-0") == flag(janitor.argv, "--root")
+    assert janitor.argv[:3] == [VLLM_PY, "-m", "kvstrata.engine.fsjanitor"]
+    assert flag(janitor.argv, "--metrics-host") == "127.10.1.7"
+    assert int(flag(janitor.argv, "--budget-bytes")) > 0
+    # /opt/kvstrata (the image's engine package) is this checkout's operator/, after podnet.
+    path = engine_pythonpath(engine.env).split(":")
+    assert path[:2] == [str(PODNET_DIR), str(REPO / "operator")]
+    assert "/opt/kvstrata" not in path
+
+
+def test_run_to_completion_init_containers_are_refused() -> None:
+    pod = tiered_pod()
+    pod["spec"]["initContainers"][0]["restartPolicy"] = "OnFailure"
+    with pytest.raises(PodSpecError, match="runs to completion"):
+        native_sidecars(pod)

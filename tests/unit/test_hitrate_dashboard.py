@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 
 import kvstrata.controller.cache_status  # noqa: F401  (registers the status timer's metrics)
 from kvstrata.controller.metrics import REGISTRY
+from kvstrata.engine import fsjanitor
 from kvstrata.router.metrics import RouterMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,7 +30,9 @@ def _registry_names(registry: CollectorRegistry) -> set[str]:
 
 def known_metrics() -> set[str]:
     names = set(re.findall(r"^(vllm:[a-z_:]+)", FIXTURE.read_text(), flags=re.M))
-    return names | _registry_names(RouterMetrics().registry) | _registry_names(REGISTRY)
+    janitor = {fsjanitor.METRIC_USED, fsjanitor.METRIC_BUDGET}
+    janitor |= {f"{fsjanitor.METRIC_EVICTED_BYTES}_total", f"{fsjanitor.METRIC_EVICTED_FILES}_total"}
+    return names | _registry_names(RouterMetrics().registry) | _registry_names(REGISTRY) | janitor
 
 
 def test_dashboard_is_valid_and_names_real_metrics() -> None:
@@ -42,7 +45,13 @@ def test_dashboard_is_valid_and_names_real_metrics() -> None:
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
     titles = " ".join(p["title"].lower() for p in dash["panels"])
-    for topic in ("hit rate by tier", "kv-cache usage", "time to first token", "routing decisions"):
+    for topic in (
+        "hit rate by tier",
+        "kv-cache usage",
+        "time to first token",
+        "routing decisions",
+        "nvme tier",
+    ):
         assert topic in titles
 
 

@@ -150,6 +150,7 @@ async def test_tick_writes_window_rates_router_figures_and_condition(servers: Me
     assert cache.gpu_hit_rate == pytest.approx(270 / 300)
     assert cache.external_hit_rate == 0
     assert cache.cpu_hit_rate == 0 and cache.nvme_hit_rate == 0  # no connector tiers on these engines
+    assert (cache.gpu_hit_rate_percent, cache.cpu_hit_rate_percent, cache.nvme_hit_rate_percent) == (90, 0, 0)
     assert cache.kv_usage == pytest.approx(0.5)
     assert cache.kv_usage_percent == 50
     assert [p.pod for p in cache.pods] == ["tiny-engine-0", "tiny-engine-1"]

@@ -1,11 +1,12 @@
 """`make demo`: the whole stack on the local cluster with real vLLM engines, a workload, live hit rates.
 
-    python -m kvstrata_dev.e2e.demo up [--example examples/tiny-cpu.yaml] [--requests 32] [--exit]
+    python -m kvstrata_dev.e2e.demo up [--example examples/tiny-cpu-tiered.yaml] [--workload auto] [--exit]
     python -m kvstrata_dev.e2e.demo down
 
 `up` brings the local control plane up (building it on first use), installs the CRD, runs the operator,
 creates the model PVC, applies the example, runs the launcher (real engine and router processes for the
-kwok pods), waits for READY n/n, drives a shared-prefix workload through the router, prints
+kwok pods), waits for READY n/n, drives a workload through the router (for an example with CPU/NVMe
+tiers: distinct prompts revisited at distances that reach each tier; otherwise shared-prefix groups), prints
 `kubectl get ic` and a per-tier table, then keeps everything running until Ctrl-C (or `--exit`).
 `down` (from another shell) stops whatever a running or crashed `up` left behind.
 """
@@ -33,7 +34,8 @@ from kvstrata_dev.repo import REPO
 from kvstrata_dev.testing.engines import group_pids
 from kvstrata_dev.testing.tinymodel import kvstrata_cache
 
-DEFAULT_EXAMPLE = REPO / "examples" / "tiny-cpu.yaml"
+# Two engines with all three KV tiers: the pool, a CPU DRAM tier and an NVMe tier (with its janitor).
+DEFAULT_EXAMPLE = REPO / "examples" / "tiny-cpu-tiered.yaml"
 NAMESPACE = "kvstrata-demo"
 
 
@@ -114,11 +116,13 @@ def tier_table(ic: dict[str, Any]) -> str:
     tiers = (spec.get("kvCache") or {}).get("tiers") or {}
     rows = [("tier", "configured", "hit rate (window)")]
     rows.append(("gpu (engine KV pool)", "yes", _pct(cache.get("gpuHitRate"))))
-    external = _pct(cache.get("externalHitRate"))
-    for tier in ("cpu", "nvme"):
-        rows.append(
-            (f"{tier} (offload)", "yes" if tier in tiers else "no", external if tier in tiers else "-")
-        )
+    # Each tier's share of all queried prompt tokens (the engines' prompt_tokens_cached_by_source_total).
+    for tier, label, key in (
+        ("cpu", "cpu (DRAM offload)", "cpuHitRate"),
+        ("nvme", "nvme (fs offload)", "nvmeHitRate"),
+    ):
+        configured = tier in tiers
+        rows.append((label, "yes" if configured else "no", _pct(cache.get(key)) if configured else "-"))
     rows.append(("all tiers", "", _pct(cache.get("hitRate"))))
     lines = _table(rows)
     lines.append("")
@@ -205,14 +209,27 @@ def up(args: argparse.Namespace) -> int:
             stack.wait_ready(timeout=args.ready_timeout, on_tick=tick)
             ready_s = time.monotonic() - t0
             url, model = stack.router_url(), stack.served_model()
-            reqs = workload.shared_prefix_requests(
-                groups=args.groups,
-                per_group=max(1, args.requests // args.groups),
-                tokenizer_json=_tokenizer_json(stack),
-            )
-            say(f"ready after {ready_s:.0f}s; {len(reqs)} shared-prefix requests through the router at {url}")
+            kind = args.workload
+            if kind == "auto":
+                offload = {"cpu", "nvme"} & set((manifest["spec"].get("kvCache") or {}).get("tiers") or {})
+                kind = "tiers" if offload else "shared-prefix"
+            if kind == "tiers":
+                reqs = workload.tier_revisit_requests(new=args.new_prompts)
+                what = f"{args.new_prompts} distinct prompts revisited later (a working set beyond the pools)"
+            else:
+                reqs = workload.shared_prefix_requests(
+                    groups=args.groups,
+                    per_group=max(1, args.requests // args.groups),
+                    tokenizer_json=_tokenizer_json(stack),
+                )
+                what = "shared-prefix requests"
+            say(f"ready after {ready_s:.0f}s; {len(reqs)} requests, {what}, through the router at {url}")
             mark = stack.cache_mark()
-            result = asyncio.run(workload.run(url, model, reqs, concurrency=args.concurrency))
+            result = asyncio.run(
+                workload.run(
+                    url, model, reqs, concurrency=args.concurrency, max_tokens=1 if kind == "tiers" else 8
+                )
+            )
             if result.failed:
                 say(f"{result.failed} request(s) failed, e.g. {result.errors[0]}")
             say("waiting for the operator's next scrape of the engines' /metrics ...")
@@ -237,6 +254,9 @@ def up(args: argparse.Namespace) -> int:
                     "requests_ok": result.ok,
                     "requests_failed": result.failed,
                     "hit_rate": (ic["status"]["cache"] or {}).get("hitRate"),
+                    "tier_hit_rates": {
+                        t: (ic["status"]["cache"] or {}).get(f"{t}HitRate") for t in ("gpu", "cpu", "nvme")
+                    },
                 },
                 indent=2,
             )
@@ -311,7 +331,14 @@ def main(argv: list[str] | None = None) -> int:
     u = sub.add_parser("up", help="bring the demo up, run the workload, print hit rates, wait for Ctrl-C")
     u.add_argument("--example", type=Path, default=DEFAULT_EXAMPLE)
     u.add_argument("--namespace", default=NAMESPACE)
-    u.add_argument("--requests", type=int, default=32)
+    u.add_argument(
+        "--workload",
+        choices=("auto", "tiers", "shared-prefix"),
+        default="auto",
+        help="auto: tiers when the example has a cpu or nvme tier, else shared-prefix",
+    )
+    u.add_argument("--new-prompts", type=int, default=24, help="tiers workload: distinct prompts")
+    u.add_argument("--requests", type=int, default=32, help="shared-prefix workload: requests")
     u.add_argument("--groups", type=int, default=4, help="distinct shared prefixes")
     u.add_argument("--concurrency", type=int, default=4)
     u.add_argument("--status-interval", type=float, default=5.0, help="operator cache-status scrape period")

@@ -13,6 +13,12 @@ Like a kubelet it then:
   poll, ~1 s) and sets it True only when the real process answers the probe. kwok's pod-ready stage
   matches Pending pods only, so it never overwrites the launcher afterwards.
 
+Native sidecars (init containers with `restartPolicy: Always`, e.g. the engine pod's fs-tier janitor)
+run as processes of their own, started before the main container and restarted when they exit, like a
+kubelet does; their metrics bind the pod IP (`--metrics-host`). Engine-pod processes get the image's
+`PYTHONPATH=/opt/kvstrata` (kvstrata's engine package) mapped to this checkout's `operator/`
+(`rebind_engine_env`), after `podnet/`.
+
 Router pods get static discovery: their router.json (from the ConfigMap volume) lists the engine pods
 of the same InferenceCluster, and the router is restarted when that set changes (see
 `podspec.static_discovery` for why EndpointSlices cannot be used locally).
@@ -41,8 +47,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstrata_dev.e2e.podspec import LaunchSpec, PodSpecError, launch_spec, rewrite_paths, static_discovery
-from kvstrata_dev.testing.engines import VllmEngine, group_alive, spawn_logged, vllm_python
+from kvstrata_dev.e2e.podspec import (
+    LaunchSpec,
+    PodSpecError,
+    launch_spec,
+    native_sidecars,
+    rewrite_paths,
+    static_discovery,
+)
+from kvstrata_dev.testing.engines import VllmEngine, group_alive, rebind_engine_env, spawn_logged, vllm_python
 
 log = logging.getLogger("kvstrata_dev.e2e.launcher")
 
@@ -153,6 +166,18 @@ class Managed:
     failures: int = 0
     next_probe: float = 0.0
     discovery: tuple[str, ...] = field(default_factory=tuple)
+    sidecars: list[Sidecar] = field(default_factory=list)
+
+
+@dataclass
+class Sidecar:
+    """A native sidecar of a managed pod: started before the main container, restarted when it exits,
+    stopped with the pod."""
+
+    spec: LaunchSpec
+    proc: LocalProcess | None = None
+    restarts: int = 0
+    next_start: float = 0.0
 
 
 def _probe(url: str, timeout: float) -> bool:
@@ -248,9 +273,7 @@ class Launcher:
         log_path = self.state_dir / "logs" / f"{m.spec.namespace}_{m.spec.pod}.log"
         env = {**m.spec.env, "KVSTRATA_POD_IP": m.spec.pod_ip}
         if m.component == "engine":
-            env["PYTHONPATH"] = os.pathsep.join(
-                p for p in (str(PODNET_DIR), os.environ.get("PYTHONPATH", "")) if p
-            )
+            env["PYTHONPATH"] = engine_pythonpath(m.spec.env)
             proc: Proc = VllmEngine.from_argv(m.spec.argv, env, log_path=log_path, kv_cache_space_gib=None)
         else:
             proc = LocalProcess(m.spec.argv, env, log_path)
@@ -268,13 +291,48 @@ class Launcher:
             f", restart {m.restarts}" if m.restarts else "",
         )
 
+    def _start_sidecars(self, m: Managed, now: float) -> None:
+        for sc in m.sidecars:
+            if sc.proc is not None and not sc.proc.running():
+                sc.proc, sc.restarts = None, sc.restarts + 1
+                sc.next_start = now + min(2.0**sc.restarts, MAX_BACKOFF_S)
+                log.warning(
+                    "%s/%s: sidecar %s exited (restart %d)",
+                    m.spec.namespace,
+                    m.spec.pod,
+                    sc.spec.container,
+                    sc.restarts,
+                )
+            if sc.proc is None and now >= sc.next_start:
+                log_path = (
+                    self.state_dir / "logs" / f"{m.spec.namespace}_{m.spec.pod}_{sc.spec.container}.log"
+                )
+                env = {**rebind_engine_env(sc.spec.env), "KVSTRATA_POD_IP": sc.spec.pod_ip}
+                sc.proc = LocalProcess(sc.spec.argv, env, log_path).start()
+                log.info(
+                    "started %s/%s sidecar %s: pid %s",
+                    m.spec.namespace,
+                    m.spec.pod,
+                    sc.spec.container,
+                    sc.proc.pid,
+                )
+
     def _stop_async(self, m: Managed, why: str) -> None:
-        proc = m.proc
+        procs: list[Proc] = [sc.proc for sc in m.sidecars if sc.proc is not None]
+        for sc in m.sidecars:
+            sc.proc = None
+        if m.proc is not None:
+            procs.insert(0, m.proc)  # the main container first, then its sidecars (as a kubelet does)
         m.proc = None
-        if proc is None:
+        if not procs:
             return
         log.info("stopping %s/%s (%s): %s", m.spec.namespace, m.spec.pod, m.component, why)
-        t = threading.Thread(target=proc.stop, name=f"stop-{m.spec.pod}", daemon=True)
+
+        def stop_all() -> None:
+            for p in procs:
+                p.stop()
+
+        t = threading.Thread(target=stop_all, name=f"stop-{m.spec.pod}", daemon=True)
         t.start()
         self.stopping.append(t)
 
@@ -288,14 +346,30 @@ class Launcher:
         if dirs is None:
             return None
         spec = launch_spec(pod, programs=self.programs[component], volume_dirs=dirs)
+        # The only native sidecar a device-cpu pod renders is the fs-tier janitor, whose one bind is its
+        # metrics server; a sidecar with another bind flag would need its own entry here.
+        sidecars = [
+            Sidecar(
+                launch_spec(
+                    pod,
+                    container_name=name,
+                    programs=self.programs[component],
+                    volume_dirs=dirs,
+                    bind_flag="--metrics-host",
+                )
+            )
+            for name in native_sidecars(pod)
+        ]
         m = Managed(
             spec=spec,
             component=component,
             instance=(meta.get("labels") or {}).get(INSTANCE, ""),
             workdir=workdir,
+            sidecars=sidecars,
         )
-        for sub in spec.substitutions:
-            log.info("%s/%s: %s", spec.namespace, spec.pod, sub)
+        for s in [spec, *(sc.spec for sc in sidecars)]:
+            for sub in s.substitutions:
+                log.info("%s/%s %s: %s", s.namespace, s.pod, s.container, sub)
         return m
 
     def _engine_ips(self, pods: list[Obj], namespace: str, instance: str) -> tuple[str, ...]:
@@ -374,6 +448,8 @@ class Launcher:
                 m.backoff = min(m.backoff * 2, MAX_BACKOFF_S)
                 m.ready = False
                 self.report(m, "CrashLoopBackOff")
+            # Native sidecars start before the main container and run independently of it.
+            self._start_sidecars(m, now)
             if m.proc is None and now >= m.next_start:
                 self._start(m)
                 self.report(m, "Starting")
@@ -420,6 +496,15 @@ class Launcher:
                 "ready": m.ready,
                 "restarts": m.restarts,
                 "argv": m.spec.argv,
+                "sidecars": {
+                    sc.spec.container: {
+                        "pid": sc.proc.pid if sc.proc is not None else None,
+                        "restarts": sc.restarts,
+                        "argv": sc.spec.argv,
+                    }
+                    for sc in m.sidecars
+                },
+                "volumes": {path: str(local) for path, local in m.spec.mounts.items()},
             }
             for uid, m in self.managed.items()
         }
@@ -441,7 +526,8 @@ class Launcher:
             self.shutdown()
 
     def shutdown(self) -> None:
-        procs = [m.proc for m in self.managed.values() if m.proc is not None]
+        procs: list[Proc] = [m.proc for m in self.managed.values() if m.proc is not None]
+        procs += [sc.proc for m in self.managed.values() for sc in m.sidecars if sc.proc is not None]
         for p in procs:  # SIGTERM all first so they stop in parallel
             if p.pid is not None:
                 with contextlib.suppress(ProcessLookupError):
@@ -453,6 +539,14 @@ class Launcher:
         self.managed.clear()
         with contextlib.suppress(OSError):
             self._write_state()
+
+
+def engine_pythonpath(env: dict[str, str]) -> str:
+    """PYTHONPATH of an engine process here: `podnet/` (wildcard ZMQ binds on the pod IP), then the
+    rendered PYTHONPATH with the image's kvstrata engine package mapped to this checkout
+    (`rebind_engine_env`), then this process's own."""
+    rendered = rebind_engine_env(env).get("PYTHONPATH", "")
+    return os.pathsep.join(p for p in (str(PODNET_DIR), rendered, os.environ.get("PYTHONPATH", "")) if p)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -60,15 +60,32 @@ class LaunchSpec:
 
 
 def container_named(pod: Obj, name: str | None = None) -> Obj:
+    """The pod's first container, or the container or init container called `name`."""
     containers = pod.get("spec", {}).get("containers") or []
     if not containers:
         raise PodSpecError(f"pod {pod['metadata']['name']} has no containers")
     if name is None:
         return containers[0]
-    for c in containers:
+    for c in [*containers, *(pod.get("spec", {}).get("initContainers") or [])]:
         if c.get("name") == name:
             return c
     raise PodSpecError(f"pod {pod['metadata']['name']} has no container {name!r}")
+
+
+def native_sidecars(pod: Obj) -> list[str]:
+    """Names of the pod's native sidecars: init containers with `restartPolicy: Always`, which a kubelet
+    starts before the main containers and keeps running (restarting them) for the pod's lifetime. A
+    plain init container (run to completion) is an error here: the launcher does not run those, and
+    silently skipping one would run a pod the operator did not render."""
+    out = []
+    for c in pod.get("spec", {}).get("initContainers") or []:
+        if c.get("restartPolicy") != "Always":
+            raise PodSpecError(
+                f"pod {pod['metadata']['name']}: init container {c.get('name')!r} runs to completion; "
+                "the local launcher runs only native sidecars (restartPolicy Always)"
+            )
+        out.append(str(c["name"]))
+    return out
 
 
 def _port(container: Obj, port: Any) -> int:

@@ -135,6 +135,10 @@ def stop_recorded(state_dir: Path) -> list[str]:
             if entry.get("pid") and group_alive(entry["pid"]):
                 stop_group(entry["pid"], grace=15)
                 stopped.append(entry["pod"])
+            for name, sidecar in (entry.get("sidecars") or {}).items():
+                if sidecar.get("pid") and group_alive(sidecar["pid"]):
+                    stop_group(sidecar["pid"], grace=5)
+                    stopped.append(f"{entry['pod']}/{name}")
     pids_file.unlink(missing_ok=True)
     return stopped
 

@@ -87,6 +87,28 @@ def shared_prefix_requests(
     return firsts + rest
 
 
+def distinct_prompt(n: int) -> str:
+    """Prompt n of a family that shares no prefix: distinct from the first token on, 530-700 tokens
+    (~19 blocks of 32) with the tiny model's tokenizer."""
+    return f"doc{n} " + " ".join(f"w{n}x{i}" for i in range(125))
+
+
+def tier_revisit_requests(new: int = 40, revisits: tuple[int, ...] = (1, 8, 14)) -> list[Request]:
+    """A working set larger than the engines' pools: `new` distinct prompts, each followed by revisits
+    of the prompts sent `d` new prompts before it, for each d in `revisits`.
+
+    A revisit finds its prompt in whichever tier still holds it, so the distances pick the tiers: with
+    the tiered example (a 64-block pool ~ 3 prompts, a 24 MiB CPU tier ~ 5 prompts, an NVMe tier of
+    many more) and two engines sharing the new prompts (about every other one each), d=1 is a pool hit,
+    d=8 (~4 prompts later on its engine) has left the pool for the CPU tier, and d=14 (~7 on its engine)
+    has left the CPU tier too and comes from the NVMe tier."""
+    out = []
+    for i in range(new):
+        out.append(Request(i, distinct_prompt(i)))
+        out += [Request(i - d, distinct_prompt(i - d)) for d in revisits if i >= d]
+    return out
+
+
 def progress(done: int, total: int, result: Result, width: int = 30) -> None:
     filled = int(width * done / max(1, total))
     bar = "#" * filled + "." * (width - filled)

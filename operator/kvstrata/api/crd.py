@@ -117,6 +117,10 @@ def crd() -> dict[str, Any]:
     columns = [
         ("Ready", "string", ".status.ready", "Ready engine pods / desired"),
         ("Hit%", "integer", ".status.cache.hitRatePercent", "Prefix-cache hit rate over the last window"),
+        # Per tier: shares of all queried prompt tokens, so they add up to Hit% (rounding aside).
+        ("GPU%", "integer", ".status.cache.gpuHitRatePercent", "Hit rate from the engines' own KV pools"),
+        ("CPU%", "integer", ".status.cache.cpuHitRatePercent", "Hit rate from the CPU DRAM offload tier"),
+        ("NVMe%", "integer", ".status.cache.nvmeHitRatePercent", "Hit rate from the NVMe offload tier"),
         ("KV%", "integer", ".status.cache.kvUsagePercent", "Mean KV-cache usage of ready engines"),
         ("Tiers", "string", ".status.tiers", "KV tiers in the plan"),
         ("Verdict", "string", ".status.plan.verdict", "Planner verdict"),

@@ -374,18 +374,9 @@ class InferenceClusterSpec(Wire):
                     "device cpu needs kvCache.blockSize to be a multiple of 32 (vLLM's CPU attention backend)",
                     ".kvCache.blockSize",
                 ),
-                cel(
-                    "self.engine.device != 'cpu' || !has(self.kvCache.tiers.cpu)",
-                    "device cpu cannot use a CPU offload tier (vLLM 0.32 offloads only from CUDA/XPU GPUs): "
-                    "remove kvCache.tiers.cpu or use device gpu",
-                    ".kvCache.tiers.cpu",
-                ),
-                cel(
-                    "self.engine.device != 'cpu' || !has(self.kvCache.tiers.nvme)",
-                    "device cpu cannot use an NVMe offload tier (vLLM 0.32 offloads only from CUDA/XPU GPUs): "
-                    "remove kvCache.tiers.nvme or use device gpu",
-                    ".kvCache.tiers.nvme",
-                ),
+                # device cpu may have CPU and NVMe tiers: kvstrata ships the CPU platform's block-copy
+                # worker (kvstrata.engine.cpu_offload); what stays refused there (offload.backend lmcache,
+                # whose wheel ships CUDA ops) is the planner's call, through the webhook.
                 cel(
                     "!has(self.model.architecture) || self.model.architecture.attention != 'mla' || "
                     "(!has(self.kvCache.tiers.cpu) && !has(self.kvCache.tiers.nvme))",
@@ -472,6 +463,10 @@ class CacheStatus(Wire):
     external_hit_rate: float | None = Field(None, description="Hits through the CPU/NVMe connector tiers")
     cpu_hit_rate: float | None = Field(None, description="Share of prompt tokens loaded from the CPU tier")
     nvme_hit_rate: float | None = Field(None, description="Share of prompt tokens loaded from the NVMe tier")
+    # Whole percents per tier, for the printer columns (GPU% + CPU% + NVMe% ~ Hit%, rounding aside).
+    gpu_hit_rate_percent: int | None = Field(None, description="gpuHitRate as a whole percent")
+    cpu_hit_rate_percent: int | None = Field(None, description="cpuHitRate as a whole percent")
+    nvme_hit_rate_percent: int | None = Field(None, description="nvmeHitRate as a whole percent")
     kv_usage: float | None = Field(None, description="Mean KV usage of ready engines (0-1)")
     kv_usage_percent: int | None = None
     tokens_from_cache: int | None = None

@@ -36,6 +36,11 @@ BLOCK_SUFFIX = ".bin"
 # written between two scans, so the directory stays under the budget itself.
 HIGH_WATER = 0.85
 LOW_WATER = 0.70
+# The sidecar's metrics (port 9402): the dashboard and tests name them from here.
+METRIC_USED = "kvstrata_fs_tier_used_bytes"
+METRIC_BUDGET = "kvstrata_fs_tier_budget_bytes"
+METRIC_EVICTED_BYTES = "kvstrata_fs_tier_evicted_bytes"  # counters: exported with a _total suffix
+METRIC_EVICTED_FILES = "kvstrata_fs_tier_evicted_files"
 
 
 @dataclass(frozen=True)
@@ -121,17 +126,17 @@ def evict(victims: Iterable[KvFile]) -> int:
 
 
 def run(
-    root: Path, budget_bytes: int, interval_s: float, metrics_port: int | None
+    root: Path, budget_bytes: int, interval_s: float, metrics_port: int | None, metrics_host: str = ""
 ) -> None:  # pragma: no cover
     from prometheus_client import Counter, Gauge, start_http_server
 
-    used_g = Gauge("kvstrata_fs_tier_used_bytes", "Bytes in the fs KV tier directory after the last pass")
-    budget_g = Gauge("kvstrata_fs_tier_budget_bytes", "Byte budget of the fs KV tier")
-    evicted_bytes = Counter("kvstrata_fs_tier_evicted_bytes", "Bytes of KV block files evicted")
-    evicted_files = Counter("kvstrata_fs_tier_evicted_files", "KV block files evicted")
+    used_g = Gauge(METRIC_USED, "Bytes in the fs KV tier directory after the last pass")
+    budget_g = Gauge(METRIC_BUDGET, "Byte budget of the fs KV tier")
+    evicted_bytes = Counter(METRIC_EVICTED_BYTES, "Bytes of KV block files evicted")
+    evicted_files = Counter(METRIC_EVICTED_FILES, "KV block files evicted")
     budget_g.set(budget_bytes)
     if metrics_port is not None:
-        start_http_server(metrics_port)
+        start_http_server(metrics_port, addr=metrics_host or "0.0.0.0")
     last_after = 0
     reserve = 0
     while True:
@@ -155,10 +160,13 @@ def main(argv: list[str] | None = None) -> None:  # pragma: no cover
     p.add_argument("--budget-bytes", type=int, required=True)
     p.add_argument("--interval", type=float, default=1.0, help="seconds between passes")
     p.add_argument("--metrics-port", type=int, default=None)
+    # In a pod every interface is the pod's own (the default); the local e2e launcher, whose pods share
+    # one network namespace, binds each pod's janitor to that pod's IP instead.
+    p.add_argument("--metrics-host", default="", help="address to serve metrics on (default: all)")
     args = p.parse_args(argv)
     if args.budget_bytes <= 0:
         p.error("--budget-bytes must be positive")
-    run(args.root, args.budget_bytes, args.interval, args.metrics_port)
+    run(args.root, args.budget_bytes, args.interval, args.metrics_port, args.metrics_host)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -86,6 +86,14 @@ class RouterMetrics:
             f"{p}_index_evictions", "Entries evicted by the index bound (monotonic)", registry=r
         )
         self.kv_events = Counter(f"{p}_kv_events", "KV events applied", ["endpoint", "type"], registry=r)
+        # By tier: which media the engines report blocks on (GPU, CPU, STORAGE in vLLM 0.32), i.e. what
+        # the index's tier credit has to work with.
+        self.kv_event_blocks = Counter(
+            f"{p}_kv_event_blocks",
+            "Blocks in applied BlockStored/BlockRemoved events, by medium",
+            ["endpoint", "type", "medium"],
+            registry=r,
+        )
         self.kv_event_lag = Gauge(
             f"{p}_kv_event_lag_seconds",
             "Age of the last KV event batch when applied",

@@ -146,7 +146,10 @@ class KvEventSubscriber:
     def apply(self, batch: EventBatch) -> None:
         for event in batch.events:
             self.index.apply(self.url, event)
-            self.metrics.kv_events.labels(self.url, _TYPE_NAMES.get(type(event), "Unknown")).inc()
+            kind = _TYPE_NAMES.get(type(event), "Unknown")
+            self.metrics.kv_events.labels(self.url, kind).inc()
+            if isinstance(event, BlockStored | BlockRemoved):
+                self.metrics.kv_event_blocks.labels(self.url, kind, event.medium).inc(len(event.block_hashes))
         self.last_seq = batch.seq
         self.applied_batches += 1
         self.endpoint.extra["kvEventSeq"] = batch.seq

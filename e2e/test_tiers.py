@@ -1,0 +1,227 @@
+"""The KV tiers through the operator's rendered pods: real vLLM CPU engines with a CPU DRAM tier and an NVMe
+(fs) tier on each pod's PVC, the fs-tier janitor sidecar, the router and the operator's status.
+
+One module-scoped stack (`tiered_stack` in conftest.py: examples/tiny-cpu-tiered.yaml, two engines, the
+NVMe tier shrunk so that a short workload runs past its budget); tests run in file order:
+
+1. A workload whose working set exceeds the engines' pools (64 blocks) and CPU tiers (24 MiB) gets hits
+   from all three tiers; the status's per-tier hit rates agree with the engines' own counters within 2
+   points; `kubectl get ic` prints them; the NVMe directory of every pod, sampled during the run, never
+   exceeds the janitor's budget although more than the budget was written; the router's index got
+   blocks on media CPU and STORAGE from the engines' real KV events.
+2. A SIGKILLed engine leaves its /dev/shm region behind; the restarted engine (same pod) removes it,
+   starts, and serves a prompt stored before the kill back from the NVMe tier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvstrata.controller.hitrate import HitRates
+from kvstrata.controller.promtext import parse_engine
+from kvstrata.render.objects import JANITOR_CONTAINER, JANITOR_METRICS_PORT
+from kvstrata_dev.e2e import workload
+from kvstrata_dev.e2e.stack import Stack
+
+pytestmark = pytest.mark.timeout(1800)
+
+NVME_MOUNT = "/kv-cache"
+NEW_PROMPTS = 40  # ~20 per engine x ~4.4 MB of KV each: past the ~60 MB NVMe budget (TIERED_NVME)
+prompt = workload.distinct_prompt
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return resp.read().decode()
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})? (\S+)$", line)
+        if not m or m.group(1) != name:
+            continue
+        if all(f'{k}="{v}"' in (m.group(2) or "") for k, v in labels.items()):
+            total += float(m.group(3))
+    return total
+
+
+def _wait(what: str, predicate: Callable[[], Any], timeout: float, interval: float = 1.0) -> Any:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
+
+
+def _engines(stack: Stack) -> dict[str, dict]:
+    return {e["pod"]: e for e in stack.launcher_procs().values() if e["component"] == "engine"}
+
+
+def _dir_bytes(root: Path) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            with contextlib.suppress(FileNotFoundError):  # the janitor may unlink it meanwhile
+                total += os.stat(os.path.join(dirpath, f)).st_size
+    return total
+
+
+class DirSampler(threading.Thread):
+    """The largest size each directory reached, sampled every `period` seconds until stopped."""
+
+    def __init__(self, dirs: dict[str, Path], period: float = 0.2) -> None:
+        super().__init__(daemon=True)
+        self.dirs, self.period = dirs, period
+        self.max = dict.fromkeys(dirs, 0)
+        self.samples = 0
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        while not self.halt.is_set():
+            for pod, root in self.dirs.items():
+                self.max[pod] = max(self.max[pod], _dir_bytes(root))
+            self.samples += 1
+            self.halt.wait(self.period)
+
+
+def test_three_tiers_hit_status_agrees_and_nvme_stays_in_budget(tiered_stack: Stack) -> None:
+    stack = tiered_stack
+    engines = _engines(stack)
+    assert len(engines) == 2
+    kv_dirs = {pod: Path(e["volumes"][NVME_MOUNT]) for pod, e in engines.items()}
+    assert len(set(kv_dirs.values())) == 2, "each pod has its own NVMe PVC directory"
+    janitor_argv = {pod: e["sidecars"][JANITOR_CONTAINER]["argv"] for pod, e in engines.items()}
+    budgets = {pod: int(argv[argv.index("--budget-bytes") + 1]) for pod, argv in janitor_argv.items()}
+    # The janitor is the rendered sidecar, running: it answers on the pod IP.
+    janitor = {pod: f"http://{e['ip']}:{JANITOR_METRICS_PORT}/metrics" for pod, e in engines.items()}
+    for pod, url in janitor.items():
+        assert _metric(_get(url), "kvstrata_fs_tier_budget_bytes") == budgets[pod]
+
+    mark = stack.cache_mark()
+    before = mark[1]
+    sampler = DirSampler(kv_dirs)
+    sampler.start()
+    started = time.monotonic()
+    try:
+        reqs = workload.tier_revisit_requests(new=NEW_PROMPTS)
+        result = asyncio.run(
+            workload.run(
+                stack.router_url(),
+                stack.served_model(),
+                reqs,
+                concurrency=2,
+                max_tokens=1,
+                show_progress=False,
+            )
+        )
+        time.sleep(3)  # the fs tier's writes are asynchronous; let the janitor make a pass after them
+    finally:
+        sampler.halt.set()
+        sampler.join()
+    took = time.monotonic() - started
+    assert result.failed == 0, result.errors[:3]
+
+    ic, after = stack.wait_cache_caught_up(mark)
+    cache = ic["status"]["cache"]
+    engine_rates = HitRates.of(after - before)
+    tiers = engine_rates.tier_hit_rates
+    print(
+        f"\n{result.ok} requests in {took:.0f}s; engines: gpu {tiers['gpu']:.3f} cpu {tiers['cpu']:.3f} "
+        f"nvme {tiers['nvme']:.3f} all {engine_rates.hit_rate:.3f}; status: gpu {cache['gpuHitRate']} "
+        f"cpu {cache['cpuHitRate']} nvme {cache['nvmeHitRate']} all {cache['hitRate']}; "
+        f"endpoints {result.endpoints}"
+    )
+    # Every tier served hits: the working set exceeded the pools and the CPU tiers.
+    assert (after - before).cpu_hits > 0 and (after - before).nvme_hits > 0 and (after - before).hits > 0
+    for tier, key in (("gpu", "gpuHitRate"), ("cpu", "cpuHitRate"), ("nvme", "nvmeHitRate")):
+        assert tiers[tier] is not None and abs(cache[key] - tiers[tier]) <= 0.02, (tier, cache, tiers)
+    assert abs(cache["hitRate"] - (engine_rates.hit_rate or 0)) <= 0.02
+
+    # kubectl get ic prints the per-tier figures the status holds.
+    table = stack.lc.kubectl("get", "ic", stack.name, "-n", stack.namespace).stdout
+    header, row = table.strip().splitlines()[:2]
+    columns = dict(zip(re.split(r"\s{2,}", header.strip()), re.split(r"\s{2,}", row.strip()), strict=False))
+    for column, key in (("HIT%", "hitRatePercent"), ("GPU%", "gpuHitRatePercent"), ("CPU%", "cpuHitRatePercent"), ("NVME%", "nvmeHitRatePercent")):  # fmt: skip
+        assert columns[column] == str(cache[key]), (column, table)
+    assert columns["TIERS"] == "gpu+cpu+nvme"
+
+    # The NVMe directory never exceeded its budget, though more than the budget was written to it.
+    print(f"NVMe max bytes {sampler.max} vs budget {budgets} ({sampler.samples} samples)")
+    assert sampler.samples > 50
+    for pod, url in janitor.items():
+        text = _get(url)
+        used = _metric(text, "kvstrata_fs_tier_used_bytes")
+        evicted = _metric(text, "kvstrata_fs_tier_evicted_bytes_total")
+        print(f"{pod}: janitor used {used:.0f} evicted {evicted:.0f}")
+        assert sampler.max[pod] <= budgets[pod], (pod, sampler.max[pod], budgets[pod])
+        assert used + evicted > budgets[pod], f"{pod}: the workload never ran past the budget"
+
+    # The router's index learned the tiers from the engines' real events: BlockStored on GPU, CPU, STORAGE.
+    router = _get(f"{stack.router_url()}/metrics")
+    for medium in ("GPU", "CPU", "STORAGE"):
+        stored = _metric(router, "kvstrata_router_kv_event_blocks_total", type="BlockStored", medium=medium)
+        removed = _metric(router, "kvstrata_router_kv_event_blocks_total", type="BlockRemoved", medium=medium)
+        print(f"router: medium {medium}: BlockStored {stored:.0f} blocks, BlockRemoved {removed:.0f}")
+        assert stored > 0, f"no BlockStored with medium {medium}"
+
+
+REGION = re.compile(r"Created mmap file (/dev/shm/vllm_offload_\S+\.mmap)")
+
+
+def test_killed_engine_leaves_no_stale_shm_that_stops_it(tiered_stack: Stack) -> None:
+    stack = tiered_stack
+    pod, victim = sorted(_engines(stack).items())[0]
+    log = stack.state_dir / "launcher" / "logs" / f"{stack.namespace}_{pod}.log"
+    regions = REGION.findall(log.read_text(errors="replace"))
+    assert regions, f"no offload region in {log}"
+    old = regions[-1]
+    assert Path(old).exists()
+    os.killpg(victim["pid"], signal.SIGKILL)
+    # SIGKILL leaves the region behind (vllm#54002); otherwise the cleanup below would prove nothing.
+    time.sleep(1)
+    assert Path(old).exists(), "SIGKILL no longer leaves the region behind"
+
+    def restarted_and_ready() -> bool:
+        e = _engines(stack).get(pod)
+        return bool(e and e["restarts"] >= 1 and e["ready"] and e["pid"] != victim["pid"])
+
+    _wait("the engine restarted and ready", restarted_and_ready, timeout=600, interval=2)
+    text = log.read_text(errors="replace")
+    assert f"removed stale offload region {old}" in text
+    assert not Path(old).exists()
+    new = REGION.findall(text)[-1]
+    assert new != old and Path(new).exists()
+
+    # The PVC outlived the engine: a prompt it stored before the kill comes back from the NVMe tier.
+    e = _engines(stack)[pod]
+    url = f"http://{e['ip']}:{int(stack.manifest['spec']['engine'].get('port', 8000))}"
+    disk_before = parse_engine(_get(f"{url}/metrics")).counters.nvme_hits
+    served = 0
+    for n in range(NEW_PROMPTS - 1, -1, -1):  # newest first: the janitor evicted the oldest
+        body = json.dumps({"model": stack.served_model(), "prompt": prompt(n), "max_tokens": 1}).encode()
+        req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            assert resp.status == 200
+        served += 1
+        if parse_engine(_get(f"{url}/metrics")).counters.nvme_hits > disk_before:
+            break
+    assert parse_engine(_get(f"{url}/metrics")).counters.nvme_hits - disk_before >= 512, (
+        f"no prompt of the {served} tried came back from {pod}'s NVMe tier after the restart"
+    )
