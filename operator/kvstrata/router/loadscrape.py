@@ -115,5 +115,8 @@ class LoadScraper:
 
     def _failed(self, ep: Endpoint, kind: FailureKind) -> None:
         ep.failures += 1
-        if self.outlier is not None and ep.failures >= self.fail_after:
+        # An engine that has never answered is booting, not an outlier: ejecting it would grow its
+        # ejection (n × base) through its whole boot, and keep it out for up to a minute after it is
+        # ready. Until its first answer it is only unhealthy (refused connections), which routing skips.
+        if self.outlier is not None and ep.failures >= self.fail_after and ep.scraped:
             self.outlier.eject(ep, kind)

@@ -289,6 +289,11 @@ async def test_scrape_timeouts_eject_a_wedged_engine_but_keep_its_cache(wedged: 
     async with aiohttp.ClientSession() as session:
         scraper = LoadScraper(pool, session, timeout=0.2, outlier=det, fail_after=3)
         scraper.on_down = downs.append
+        for _ in range(3):
+            await scraper.scrape_all()
+        assert not det.ejected(ep)  # it never answered: booting, not wedged
+        ep.scraped = True  # it had answered before it wedged
+        ep.failures = 0
         for _ in range(2):
             await scraper.scrape_all()
         assert not det.ejected(ep)
