@@ -80,6 +80,12 @@ _CUT = re.compile(r"(?<=[A-Za-z0-9]) (?=[A-Za-z])")
 DEFAULT_CHUNK_CHARS = 1024
 DEFAULT_FIRST_CHUNK_CHARS = 256
 _FIRST_CHUNKS_UNTIL = 4096  # characters from the start cut in first-chunk sizes
+# Long prompts (over _RECENT_MIN_CHARS) remember where their chunks end, so that the next turn skips the
+# per-chunk walk: at most _RECENT_PER_KEY per first _RECENT_KEY_CHARS characters, _RECENT_MAX_CHARS in all.
+_RECENT_MIN_CHARS = 16_384
+_RECENT_KEY_CHARS = 256
+_RECENT_PER_KEY = 8
+_RECENT_MAX_CHARS = 16 << 20
 # Distinct chunk lengths tried after one chunk (prompts that diverge there); the newest are kept.
 _MAX_KEY_LENS = 32
 DEFAULT_MAX_CACHED_CHARS = 32 << 20
@@ -260,6 +266,9 @@ class IncrementalEncoder:
         self._reach = max((len(a) for a in self.proof.added), default=0) + 1
         self._lock = threading.Lock()
         self._trie = _Trie()
+        # prompt[:_RECENT_KEY_CHARS] -> [(a recent long prompt's chunked prefix, the walk to its end)]
+        self._recent: OrderedDict[str, list[tuple[str, Walk]]] = OrderedDict()
+        self._recent_chars = 0
         self._root = _State(len(self.prefix), NONE_HASHES[algo], self.prefix)
         self.enabled = self.proof.family is not None
         if self.enabled and self_test and not self.check(SELF_TEST_TEXTS):
@@ -364,6 +373,13 @@ class IncrementalEncoder:
         if not self._lock.acquire(blocking):
             return None
         try:
+            # A long prompt that extends a recent one starts where that one's chunks ended: one string
+            # comparison (C) instead of a lookup per chunk.
+            if len(text) > _RECENT_MIN_CHARS:
+                for prefix, w in self._recent.get(text[:_RECENT_KEY_CHARS], ()):
+                    if text.startswith(prefix):
+                        parent_id, state, pos, hashes = w.parent_id, w.state, w.pos, list(w.hashes)
+                        break
             while True:
                 node = None
                 for n in key_lens.get(parent_id, ()):
@@ -401,13 +417,35 @@ class IncrementalEncoder:
             got, state = self._extend(state, ids)
             hashes += got
             new.append((text[a : a + len(piece) + ctx], got, state, len(piece)))
+        chunked = Walk(bounds[-2], state, hashes[:], parent_id)
         got, end = self._extend(state, [*all_ids[-1], *self.suffix])
         hashes += got
         if new:
-            self._insert(parent_id, new)
+            chunked = chunked._replace(parent_id=self._insert(parent_id, new))
+        if chunked.pos > _RECENT_MIN_CHARS:
+            # With the characters the last cut depended on: a prompt that shares only the text up to
+            # the cut might not be cut there.
+            self._remember(text[: chunked.pos + ctx], chunked)
         return Encoded(end.tokens, hashes, reused)
 
-    def _insert(self, parent: int, new: list[tuple[str, list[int], _State, int]]) -> None:
+    def _remember(self, prefix: str, walked: Walk) -> None:
+        """Keep where a long prompt's chunks end, for the next turn that extends it."""
+        key = prefix[:_RECENT_KEY_CHARS]
+        with self._lock:
+            recent = self._recent
+            before = recent.pop(key, [])
+            # An earlier turn of this same prompt is superseded by it.
+            entries = [(p, w) for p, w in before if not prefix.startswith(p)]
+            entries.insert(0, (prefix, walked))
+            del entries[_RECENT_PER_KEY:]
+            recent[key] = entries
+            self._recent_chars += sum(len(p) for p, _ in entries) - sum(len(p) for p, _ in before)
+            while self._recent_chars > _RECENT_MAX_CHARS and recent:
+                _, old = recent.popitem(last=False)
+                self._recent_chars -= sum(len(p) for p, _ in old)
+
+    def _insert(self, parent: int, new: list[tuple[str, list[int], _State, int]]) -> int:
+        """Cache the new chunks under ``parent``; the last one's node id."""
         trie = self._trie
         with self._lock:
             for key_text, got, state, chars in new:
@@ -429,6 +467,7 @@ class IncrementalEncoder:
             if len(trie.key_lens) > 2 * len(trie.nodes) + 16:
                 live = {p for p, _ in trie.nodes}
                 trie.key_lens = {p: v for p, v in trie.key_lens.items() if p in live}
+        return parent
 
     def stats(self) -> dict[str, Any]:
         return {

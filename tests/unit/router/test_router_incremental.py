@@ -303,3 +303,29 @@ def test_chat_turns_reuse_the_rendered_conversation(tmp_path: Path) -> None:
         reused.append(got.reused_chars)
         messages.append({"role": "assistant", "content": _text(rng, 20 + turn)})
     assert reused[0] == 0 and all(r > 1000 for r in reused[1:])
+
+
+def test_a_long_prompts_next_turn_starts_where_its_chunks_ended() -> None:
+    """Long prompts remember where their chunks end; a prompt sharing that text (and what the last cut
+    depended on) starts there, one that diverges right after the cut does not, and both are exact."""
+    tok = tiny_model()
+    enc = IncrementalEncoder(tok, add_special_tokens=True, block_size=32)
+    rng = random.Random(21)
+    prompt = _text(rng, 6000)
+    assert len(prompt) > 20_000
+    enc.encode(prompt)
+    assert enc._recent  # remembered
+    (_, [(_prefix, walked)]), *_ = enc._recent.items()
+    cut = walked.pos
+    variants = [
+        prompt + " and one more turn here.",  # extends it
+        prompt[:cut] + "<s>" + prompt[cut:],  # an added token right at the last cut
+        prompt[:cut] + "X" + prompt[cut + 1 :],  # not a space at the cut any more
+        prompt[: cut + 1] + "1" + prompt[cut + 2 :],  # a digit after the space: no cut there
+        prompt[: cut // 2] + " a fork.",  # shares only the first half
+    ]
+    for text in variants:
+        got = enc.encode(text)
+        ids = tok.encode(text).ids
+        assert (got.tokens, got.hashes) == (len(ids), block_hashes(ids, 32)), text[cut - 20 : cut + 20]
+    assert enc.encode(variants[0] + " more.").reused_chars >= cut
