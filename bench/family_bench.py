@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import engine_metrics as em
-from bench.cpuquota import CpuQuotas, QuotaUnavailable
+from bench.cpuquota import CpuQuotas
 from bench.family import Draw, conversations, draw, engine_blocks, paired, schedule
 from bench.procs import BenchError, ProcGroup, bench_main
 from bench.report import fmt, machine, mean, percentile, table, write_json
@@ -31,7 +31,9 @@ from bench.router_bench import (
     _Round,
     _run_router,
     _Workload,
+    cap_engines,
     resolve_engine_cpu,
+    router_metrics_file,
 )
 from bench.routers import RouterConfig, Worker
 from bench.workload import distinct_blocks, ideal_hit_rate
@@ -162,7 +164,7 @@ def _router_counters(lines: list[str]) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvstrata.router.prompts import LocalTokenizer
-    from kvstrata_dev.testing.engines import EngineError, group_pids, start_engines, stop_all, vllm_python
+    from kvstrata_dev.testing.engines import EngineError, start_engines, stop_all, vllm_python
     from kvstrata_dev.testing.tinymodel import default_tiny_model_dir, ensure_tiny_model
 
     routers = [r.strip() for r in args.routers.split(",") if r.strip()]
@@ -208,11 +210,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rows: dict[str, dict[str, Any]] = {}
         try:
             if quotas is not None:
-                try:
-                    for i, e in enumerate(engines):
-                        quotas.cap(i, group_pids(e.pid))
-                except (QuotaUnavailable, OSError) as exc:
-                    raise BenchError(f"--engine-cpu {cpu_each:g}: {exc}") from None
+                cap_engines(quotas, engines, cpu_each)
             workers = [Worker(e.base_url, e.kv_events_endpoint, e.kv_replay_endpoint) for e in engines]
             cfg = RouterConfig(
                 model=MODEL, tokenizer_dir=model_dir, block_size=BLOCK_SIZE, log_decisions=True
@@ -225,9 +223,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for name in routers[k % len(routers) :] + routers[: k % len(routers)]:
                     print(f"- {name}", flush=True)
                     outcome = _run_router(procs, name, workers, cfg, engines, p.workload, run_args)
-                    # Where _run_router saved the router's /metrics.
-                    metrics = args.workdir / "logs" / f"{name.replace('/', '_')}.metrics.txt"
-                    rows[name] = _row(name, outcome, metrics)
+                    rows[name] = _row(name, outcome, router_metrics_file(args.workdir, name))
         finally:
             if quotas is not None:
                 quotas.close()

@@ -371,7 +371,7 @@ def _reset_caches(engines: list[Any]) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from tokenizers import Tokenizer
 
-    from kvstrata_dev.testing.engines import EngineError, group_pids, start_engines, stop_all, vllm_python
+    from kvstrata_dev.testing.engines import EngineError, start_engines, stop_all, vllm_python
     from kvstrata_dev.testing.tinymodel import default_tiny_model_dir, ensure_tiny_model
 
     routers = [r.strip() for r in args.routers.split(",") if r.strip()]
@@ -431,11 +431,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     by_seed = {w.seed: w for w in workloads}
     try:
         if quotas is not None:
-            try:
-                for i, e in enumerate(engines):
-                    quotas.cap(i, group_pids(e.pid))
-            except (QuotaUnavailable, OSError) as exc:
-                raise BenchError(f"--engine-cpu {cpu_each:g}: {exc}") from None
+            cap_engines(quotas, engines, cpu_each)
             print(f"engines capped at {cpu_each:g} CPU each", flush=True)
         workers = [Worker(e.base_url, e.kv_events_endpoint, e.kv_replay_endpoint) for e in engines]
         cfg = RouterConfig(
@@ -483,6 +479,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def cap_engines(quotas: CpuQuotas, engines: list[Any], cpu_each: float) -> None:
+    """Each engine's process group into its own CPU quota, or a BenchError saying why not."""
+    from kvstrata_dev.testing.engines import group_pids
+
+    try:
+        for i, e in enumerate(engines):
+            quotas.cap(i, group_pids(e.pid))
+    except (QuotaUnavailable, OSError) as exc:
+        raise BenchError(f"--engine-cpu {cpu_each:g}: {exc}") from None
+
+
+def router_metrics_file(workdir: Path, name: str) -> Path:
+    """Where a round saves the router's /metrics text."""
+    return workdir / "logs" / f"{name.replace('/', '_')}.metrics.txt"
+
+
 def _run_router(
     procs: ProcGroup,
     name: str,
@@ -511,7 +523,7 @@ def _run_router(
         after = [em.parse_counters(e.metrics()) for e in engines]
         if not running.proc.alive():
             print(f"  {name} exited during the run; log tail:\n{running.proc.log_tail()}", flush=True)
-        metrics_file = args.workdir / "logs" / f"{name.replace('/', '_')}.metrics.txt"
+        metrics_file = router_metrics_file(args.workdir, name)
         rnd = _Round(
             workload.seed,
             res,
