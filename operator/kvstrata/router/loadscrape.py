@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,7 +43,10 @@ def parse_load(text: str) -> EngineLoad:
 
 
 class LoadScraper:
-    """Scrapes every endpoint concurrently every ``interval`` seconds and updates it in place."""
+    """Scrapes every endpoint every ``interval`` seconds and updates it in place.
+
+    Each endpoint on its own cadence: a wedged engine's scrape, hanging until its timeout, must not
+    hold up the others' (their load, and the liveness a stream's last try waits on, patience.py)."""
 
     def __init__(
         self,
@@ -60,6 +64,7 @@ class LoadScraper:
         self.interval = interval
         self.timeout = aiohttp.ClientTimeout(total=timeout)
         self._task: asyncio.Task[None] | None = None
+        self._scrapes: dict[str, asyncio.Task[None]] = {}
         # Called when an endpoint turns unhealthy (the router drops its index entries).
         self.on_down: Callable[[Endpoint], None] | None = None
 
@@ -67,10 +72,13 @@ class LoadScraper:
         self._task = asyncio.create_task(self._run(), name="load-scraper")
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
+        tasks = [t for t in (self._task, *self._scrapes.values()) if t is not None]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await t
+        self._scrapes.clear()
 
     async def scrape_all(self) -> None:
         eps = self.pool.all()
@@ -79,7 +87,13 @@ class LoadScraper:
 
     async def _run(self) -> None:
         while True:
-            await self.scrape_all()
+            eps = {ep.url: ep for ep in self.pool.all()}
+            for url in [u for u, t in self._scrapes.items() if t.done() and u not in eps]:
+                del self._scrapes[url]
+            for url, ep in eps.items():
+                running = self._scrapes.get(url)
+                if running is None or running.done():
+                    self._scrapes[url] = asyncio.create_task(self.scrape(ep), name=f"scrape {url}")
             await asyncio.sleep(self.interval)
 
     async def scrape(self, ep: Endpoint) -> None:
@@ -106,6 +120,7 @@ class LoadScraper:
             return
         if not ep.healthy:
             log.info("endpoint %s healthy again", ep.url)
+        ep.answered_at = time.monotonic()
         ep.failures = 0
         ep.healthy = True
         if text:

@@ -30,6 +30,7 @@ class Endpoint:
     kv_blocks: int = 0  # KV pool size in blocks, from the engine's metrics (0: unknown)
     failures: int = 0
     scraped: bool = False
+    answered_at: float = 0.0  # monotonic time of its last answered scrape (any status under 500)
     extra: dict[str, object] = field(default_factory=dict)
 
     @property

@@ -7,7 +7,8 @@ Deadlines (see docs/router.md, "Timeouts and ejection"):
 - non-streamed requests: the whole answer within ``upstreamTimeoutSeconds`` (engines send nothing
   before the end), read into memory up to ``maxResponseBytes``.
 A wait for the first byte also ends when its endpoint is ejected (another request's failures, or
-failed scrapes, showed it wedged): the request is retried elsewhere.
+failed scrapes, showed it wedged): the request is retried elsewhere. A stream's last try is patient
+(router/patience.py): past the first-byte timeout it keeps waiting while its engine answers scrapes.
 
 Failover rules:
 - a failure *before anything was sent to the client* (connect error or timeout, first-byte timeout,
@@ -27,6 +28,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -38,6 +40,7 @@ from kvstrata.router.core import Decision, NoEndpoints, Router
 from kvstrata.router.errors import json_error, sse_error
 from kvstrata.router.outcomes import ENGINE_FAULTS, Answered, AttemptResult, Failed, FailureKind, Outcome
 from kvstrata.router.outlier import AllEjected
+from kvstrata.router.patience import last_try_patience
 from kvstrata.router.pool import Endpoint, PrefillTicket
 from kvstrata.router.reasons import Reason
 from kvstrata.router.requests import BadRequest, Kind, parse_request
@@ -100,6 +103,19 @@ def _cached_tokens(body: bytes) -> int | None:
 
 class _TooLarge(Exception):
     pass
+
+
+@dataclass(slots=True)
+class _Call:
+    """One client request on its way to the engines, the same for every try."""
+
+    request: web.Request
+    raw: bytes
+    path: str
+    headers: dict[str, str]
+    decision: Decision
+    stream: bool
+    tries: int = 0  # sent so far (x-kvstrata-attempts, as Envoy's x-envoy-attempt-count)
 
 
 class Proxy:
@@ -177,8 +193,9 @@ class Proxy:
         self, request: web.Request, raw: bytes, decoded: bool, decision: Decision, *, stream: bool
     ) -> web.StreamResponse:
         attempts = decision.order[: self.settings.max_retries + 1]
-        headers = _request_headers(request, decoded)
-        path = request.rel_url.raw_path_qs
+        call = _Call(
+            request, raw, request.rel_url.raw_path_qs, _request_headers(request, decoded), decision, stream
+        )
         last: Failed | None = None
         for i, ep in enumerate(attempts):
             if last is not None:
@@ -186,8 +203,9 @@ class Proxy:
             if i and self.outlier.ejected(ep):
                 last = Failed(FailureKind.EJECTED, f"{ep.url} was ejected")
                 continue
-            is_last = i == len(attempts) - 1
-            result = await self._attempt(request, raw, path, headers, decision, ep, stream, is_last)
+            # Last: no later endpoint is left in rotation to retry on.
+            is_last = all(self.outlier.ejected(later) for later in attempts[i + 1 :])
+            result = await self._attempt(call, ep, is_last)
             if isinstance(result, Answered):
                 return result.response
             last = result
@@ -198,35 +216,27 @@ class Proxy:
             code="upstream_failed",
         )
 
-    def _decision_headers(self, decision: Decision, ep: Endpoint) -> dict[str, str]:
+    def _decision_headers(self, call: _Call, ep: Endpoint) -> dict[str, str]:
+        decision = call.decision
         return {
+            "x-kvstrata-attempts": str(call.tries),
             "x-kvstrata-endpoint": ep.url,
             "x-kvstrata-predicted-cached-tokens": str(decision.predicted_cached_tokens(ep, self.block_size)),
             "x-kvstrata-reason": decision.reason,
         }
 
-    async def _attempt(
-        self,
-        request: web.Request,
-        raw: bytes,
-        path: str,
-        headers: dict[str, str],
-        decision: Decision,
-        ep: Endpoint,
-        stream: bool,
-        is_last: bool,
-    ) -> AttemptResult:
+    async def _attempt(self, call: _Call, ep: Endpoint, is_last: bool) -> AttemptResult:
         """One try on ``ep``: :class:`Answered` (the client has its response) or :class:`Failed`
         (nothing was sent; the caller may try the next endpoint)."""
+        decision = call.decision
+        call.tries += 1
         self.router.commit(decision, ep)
         ep.in_flight += 1
         prefill = PrefillTicket(ep, decision.uncached_tokens(ep, self.block_size))
         t0 = time.perf_counter()
         outcome = Outcome.DISCONNECTED
         try:
-            result, outcome = await self._exchange(
-                request, raw, path, headers, decision, ep, stream, is_last, t0, prefill
-            )
+            result, outcome = await self._exchange(call, ep, is_last, t0, prefill)
             return result
         except asyncio.CancelledError:
             outcome = Outcome.CLIENT_DISCONNECT
@@ -243,30 +253,29 @@ class Proxy:
                 self.outlier.success(ep)
 
     async def _exchange(
-        self,
-        request: web.Request,
-        raw: bytes,
-        path: str,
-        headers: dict[str, str],
-        decision: Decision,
-        ep: Endpoint,
-        stream: bool,
-        is_last: bool,
-        t0: float,
-        prefill: PrefillTicket,
+        self, call: _Call, ep: Endpoint, is_last: bool, t0: float, prefill: PrefillTicket
     ) -> tuple[AttemptResult, Outcome]:
         s = self.settings
-        deadline = s.first_byte_timeout_seconds if stream else s.upstream_timeout_seconds
+        stream = call.stream
+        patient = stream and is_last
+        deadline: float | None = s.upstream_timeout_seconds
+        if stream:  # a last try's deadline is set by last_try_patience
+            deadline = None if patient else s.first_byte_timeout_seconds
         resp: aiohttp.ClientResponse | None = None
         try:
             try:
                 async with asyncio.timeout(deadline) as limit:
-                    with self.outlier.waiter(ep, limit) as waiter:
+                    with (
+                        self.outlier.waiter(ep, limit) as waiter,
+                        last_try_patience(
+                            limit, ep, s.first_byte_timeout_seconds, s.upstream_timeout_seconds, on=patient
+                        ),
+                    ):
                         resp = await self.session.request(
-                            request.method,
-                            ep.url + path,
-                            data=raw or None,
-                            headers=headers,
+                            call.request.method,
+                            ep.url + call.path,
+                            data=call.raw or None,
+                            headers=call.headers,
                             timeout=self.timeout,
                         )
                         if resp.status >= _RETRYABLE_STATUS and not is_last:
@@ -297,11 +306,11 @@ class Proxy:
                     json_error(502, msg, code="upstream_response_too_large")
                 ), Outcome.RESPONSE_TOO_LARGE
             if stream and resp.status == 200:
-                return await self._stream(request, resp, first, decision, ep, t0, prefill)
+                return await self._stream(call, resp, first, ep, t0, prefill)
             out = web.Response(status=resp.status, body=body, headers=_response_headers(resp))
-            out.headers.update(self._decision_headers(decision, ep))
-            if decision.hashes:
-                self._observe_cached(decision, ep, body)
+            out.headers.update(self._decision_headers(call, ep))
+            if call.decision.hashes:
+                self._observe_cached(call.decision, ep, body)
             if resp.status < 400:
                 return Answered(out), Outcome.OK
             return Answered(out), Outcome.HTTP_4XX if resp.status < 500 else Outcome.HTTP_5XX
@@ -329,10 +338,9 @@ class Proxy:
 
     async def _stream(
         self,
-        request: web.Request,
+        call: _Call,
         resp: aiohttp.ClientResponse,
         first: bytes,
-        decision: Decision,
         ep: Endpoint,
         t0: float,
         prefill: PrefillTicket,
@@ -345,16 +353,17 @@ class Proxy:
         if not first:
             kind = FailureKind.DISCONNECTED
             return Failed(kind, f"{ep.url} ended the stream before its first byte"), Outcome.of(kind)
+        decision = call.decision
         self._prefill_over(prefill, decision, ep)  # the first token is out
         self.metrics.ttft.labels(ep.url).observe(time.perf_counter() - t0)
         out = web.StreamResponse(status=resp.status, headers=_response_headers(resp))
-        out.headers.update(self._decision_headers(decision, ep))
+        out.headers.update(self._decision_headers(call, ep))
         if decision.hashes:
             self.metrics.predicted_cached_tokens.inc(decision.predicted_cached_tokens(ep, self.block_size))
         idle = self.settings.stream_idle_timeout_seconds
         chunk = first
         try:
-            await out.prepare(request)
+            await out.prepare(call.request)
         except ConnectionError:
             return Answered(out), Outcome.CLIENT_DISCONNECT
         while chunk:

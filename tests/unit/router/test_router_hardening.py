@@ -86,12 +86,17 @@ async def wedged() -> AsyncIterator[Callable[[], Any]]:
 
 
 class Misbehaving(Fake):
-    """More faults: slow first byte, long stream, a stall mid-stream, a huge answer."""
+    """More faults: slow first byte, long stream, a stall mid-stream, a huge answer, and a busy engine
+    (its first byte past the first-byte timeout, its /metrics answered at once)."""
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        if self.mode not in ("slow-first-byte", "long-stream", "stall", "huge"):
+        if self.mode not in ("slow-first-byte", "long-stream", "stall", "huge", "busy"):
             return await super().handle(request)
+        if request.path == "/metrics":
+            return web.Response(text="")
         self.bodies.append(await request.read())
+        if self.mode == "busy":
+            await asyncio.sleep(1.5)  # three first-byte timeouts of FAST
         if self.mode == "huge":
             return web.Response(body=b"x" * 2_000_000, content_type="application/json")
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -184,6 +189,43 @@ async def test_wedged_engine_is_ejected_and_waits_on_it_are_cut(
     async with h.client.get(h.base + "/ready") as resp:
         ready = await resp.json()
     assert resp.status == 200 and ready["ejected"] == [w.url] and ready["healthy_endpoints"] == 1
+
+
+async def test_a_streams_last_try_waits_on_a_busy_engine_but_not_on_a_wedged_one(
+    make_router: RouterFactory, wedged: Callable[[], Any]
+) -> None:
+    """Past the first-byte timeout the last try keeps waiting while its engine answers scrapes:
+    busy is not lost. A wedged engine answers none, so a last try there ends at the timeout."""
+    w = await wedged()
+    (busy,) = await misbehaving("busy")
+    # Scrapes of the wedged engine hang for 5 s; the busy one's are answered every 0.1 s regardless.
+    h = await make_router(
+        [w.url, busy.url],
+        scrape=True,
+        scrapeIntervalSeconds=0.1,
+        scrapeTimeoutSeconds=5,
+        maxRetries=1,
+        **FAST,
+    )
+    while not h.svc.router.pool.get(busy.url).answered_at:  # type: ignore[union-attr]
+        await asyncio.sleep(0.05)
+    t0 = time.monotonic()
+    status, headers, body = await h.post(
+        "/v1/completions", completion(prompt=routed_to(h, w.url), stream=True)
+    )
+    waited = time.monotonic() - t0
+    assert (status, headers["x-kvstrata-endpoint"], headers["x-kvstrata-attempts"]) == (200, busy.url, "2")
+    assert body.endswith(b"data: [DONE]\n\n") and 0.5 + 1.5 <= waited < 0.5 + 1.5 + 1
+    # The other way round: the busy engine is not the last, so it is left at its timeout for the
+    # wedged one, which is the last and is let go at its own.
+    t0 = time.monotonic()
+    status, _, raw = await h.post("/v1/completions", completion(prompt=routed_to(h, busy.url), stream=True))
+    assert status == 502 and error_of(raw)["code"] == "upstream_failed"
+    assert "first_byte_timeout" in error_of(raw)["message"]
+    assert time.monotonic() - t0 < 2 * 0.5 + 0.5
+    m = await metrics(h)
+    assert f'kvstrata_router_requests_total{{endpoint="{busy.url}",outcome="stream_ok"}} 1.0' in m
+    assert f'kvstrata_router_requests_total{{endpoint="{busy.url}",outcome="first_byte_timeout"}} 1.0' in m
 
 
 async def test_every_engine_wedged_fails_fast_with_503(

@@ -116,7 +116,7 @@ RouterFactory = Callable[..., Any]
 async def make_router() -> AsyncIterator[RouterFactory]:
     started: list[tuple[RouterService, aiohttp.ClientSession]] = []
 
-    async def make(urls: list[str], **overrides: Any) -> Harness:
+    async def make(urls: list[str], scrape: bool = False, **overrides: Any) -> Harness:
         settings = RouterSettings.model_validate(
             {
                 "model": MODEL,
@@ -126,7 +126,7 @@ async def make_router() -> AsyncIterator[RouterFactory]:
                 **overrides,
             }
         )
-        svc = RouterService(settings, scrape=False)
+        svc = RouterService(settings, scrape=scrape)
         await svc.start()
         port = free_port()
         await svc.serve("127.0.0.1", port)
