@@ -12,6 +12,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -340,11 +341,8 @@ class Router:
         rreq = RouteRequest(
             hashes, matches, tie_key, session_id, approximate, room, history, n_tokens, time.monotonic()
         )
-        kept = self.bounded.filter(rreq, eps)
-        ranked = pick(rreq, kept, self.scorers)
-        order = [r.endpoint for r in ranked]
-        dropped = sorted((ep for ep in eps if ep not in kept), key=lambda ep: ep.load)
-        order += dropped  # still worth a retry if everything better fails
+        ranked, dropped = self._rank(rreq, eps)
+        order = [r.endpoint for r in ranked] + dropped  # dropped: still worth a retry if all else fails
         reason = self._reason(ranked, matches, dropped, approximate)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
@@ -360,7 +358,27 @@ class Router:
                     for r in ranked
                 ),
             )
-        return Decision(order, reason, hashes, approximate, matches, n_tokens, ranked)
+        return Decision(order, reason, hashes, approximate, matches, n_tokens, ranked, request=rreq)
+
+    def _rank(self, rreq: RouteRequest, eps: list[Endpoint]) -> tuple[list[Ranked], list[Endpoint]]:
+        """The scorers' ranking of the endpoints the load bound keeps, and those it drops (least
+        loaded first)."""
+        kept = self.bounded.filter(rreq, eps)
+        dropped = sorted((ep for ep in eps if ep not in kept), key=lambda ep: ep.load)
+        return pick(rreq, kept, self.scorers), dropped
+
+    def retry_order(self, decision: Decision, left: list[Endpoint]) -> list[Endpoint]:
+        """The endpoints still to try after a failed attempt, best first on the state now.
+
+        A retry is a new choice: the first ranking's runner-up was chosen before the failure, on loads
+        that have moved since, and every request cut from one engine would follow it to the same place
+        (seen: four requests cut from a stopped engine all went to one engine while another sat idle).
+        Decisions the scorers did not make (other policies, pass-through) keep their order."""
+        live = [ep for ep in left if not self.outlier.ejected(ep)]
+        if decision.request is None or len(live) < 2:
+            return live
+        ranked, dropped = self._rank(replace(decision.request, now=time.monotonic()), live)
+        return [r.endpoint for r in ranked] + dropped
 
     def _reason(
         self,

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from kvstrata.router.index import Prediction, PrefixMatch
 from kvstrata.router.pool import Endpoint
 from kvstrata.router.reasons import Reason
-from kvstrata.router.scoring import Ranked, uncached_tokens
+from kvstrata.router.scoring import Ranked, RouteRequest, uncached_tokens
 
 
 @dataclass(slots=True)
@@ -24,6 +24,8 @@ class Decision:
     routed: bool = True
     # The index prediction of the last attempt (commit), re-timed when its prefill is over (settle).
     prediction: Prediction | None = None
+    # What the scorers ranked (kv-aware decisions): a retry ranks the endpoints left again on it.
+    request: RouteRequest | None = None
 
     def predicted_cached_tokens(self, ep: Endpoint, block_size: int) -> int:
         if self.approximate:

@@ -192,27 +192,30 @@ class Proxy:
     async def _forward(
         self, request: web.Request, raw: bytes, decoded: bool, decision: Decision, *, stream: bool
     ) -> web.StreamResponse:
-        attempts = decision.order[: self.settings.max_retries + 1]
+        tries = self.settings.max_retries + 1
         call = _Call(
             request, raw, request.rel_url.raw_path_qs, _request_headers(request, decoded), decision, stream
         )
+        left = list(decision.order)
         last: Failed | None = None
-        for i, ep in enumerate(attempts):
+        while left and call.tries < tries:
             if last is not None:
                 self.metrics.retries.labels(last.kind.value).inc()
-            if i and self.outlier.ejected(ep):
-                last = Failed(FailureKind.EJECTED, f"{ep.url} was ejected")
-                continue
-            # Last: no later endpoint is left in rotation to retry on.
-            is_last = all(self.outlier.ejected(later) for later in attempts[i + 1 :])
+                left = self.router.retry_order(decision, left)
+                if not left:
+                    break
+            ep = left.pop(0)
+            # Last: no try left, or no endpoint left in rotation to retry on.
+            is_last = call.tries + 1 == tries or all(self.outlier.ejected(later) for later in left)
             result = await self._attempt(call, ep, is_last)
             if isinstance(result, Answered):
                 return result.response
             last = result
-        assert last is not None
+        if last is None:  # every endpoint left was ejected before the first try
+            last = Failed(FailureKind.EJECTED, "every endpoint was ejected")
         return json_error(
             502,
-            f"all {len(attempts)} endpoint(s) failed; last error: {last.kind}: {last.detail}",
+            f"all {call.tries} endpoint(s) failed; last error: {last.kind}: {last.detail}",
             code="upstream_failed",
         )
 

@@ -90,10 +90,13 @@ class Misbehaving(Fake):
     (its first byte past the first-byte timeout, its /metrics answered at once)."""
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        if self.mode not in ("slow-first-byte", "long-stream", "stall", "huge", "busy"):
+        if self.mode not in ("slow-first-byte", "long-stream", "stall", "huge", "busy", "delay"):
             return await super().handle(request)
         if request.path == "/metrics":
             return web.Response(text="")
+        if self.mode == "delay":  # an answer that takes a while: requests stay in flight
+            await asyncio.sleep(0.5)
+            return await super().handle(request)
         self.bodies.append(await request.read())
         if self.mode == "busy":
             await asyncio.sleep(1.5)  # three first-byte timeouts of FAST
@@ -226,6 +229,29 @@ async def test_a_streams_last_try_waits_on_a_busy_engine_but_not_on_a_wedged_one
     m = await metrics(h)
     assert f'kvstrata_router_requests_total{{endpoint="{busy.url}",outcome="stream_ok"}} 1.0' in m
     assert f'kvstrata_router_requests_total{{endpoint="{busy.url}",outcome="first_byte_timeout"}} 1.0' in m
+
+
+async def test_requests_cut_from_an_ejected_engine_are_spread_over_the_others(
+    make_router: RouterFactory, wedged: Callable[[], Any]
+) -> None:
+    """A retry ranks the engines left on their load now: the requests cut from one engine do not all
+    follow the first ranking's runner-up."""
+    w = await wedged()
+    a, b = await misbehaving("delay", "delay")
+    h = await make_router([w.url, a.url, b.url], upstreamTimeoutSeconds=60)
+    h.prefer(w.url)
+    sent = [asyncio.create_task(h.post("/v1/completions", completion())) for _ in range(4)]
+    while w.requests < 4:
+        await asyncio.sleep(0.01)
+    router = h.svc.router
+    assert router is not None
+    victim = router.pool.get(w.url)
+    assert victim is not None
+    router.outlier.eject(victim, FailureKind.SCRAPE_TIMEOUT)  # as its failed scrapes would
+    answers = await asyncio.wait_for(asyncio.gather(*sent), 5)
+    assert all(status == 200 and headers["x-kvstrata-attempts"] == "2" for status, headers, _ in answers)
+    served = sorted(headers["x-kvstrata-endpoint"] for _, headers, _ in answers)
+    assert served == sorted([a.url, a.url, b.url, b.url])
 
 
 async def test_every_engine_wedged_fails_fast_with_503(
