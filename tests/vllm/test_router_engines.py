@@ -426,6 +426,7 @@ async def _timed(s: aiohttp.ClientSession, base: str, prompt: str, stream: bool)
         async with s.post(base + "/v1/completions", json=body) as resp:
             out["status"], out["endpoint"] = resp.status, resp.headers.get("x-kvstrata-endpoint")
             out["attempts"] = int(resp.headers.get("x-kvstrata-attempts", "0"))
+            out["upstream_s"] = int(resp.headers.get("x-kvstrata-upstream-ms", "0")) / 1000
             if not stream:
                 data = await resp.json()
                 out["wait"] = time.monotonic() - out["sent"]
@@ -519,13 +520,14 @@ async def test_a_wedged_engine_is_ejected_and_comes_back(stack: Stack) -> None:
     assert during, "no request was sent while the engine was stopped"
     assert all(r["done"] for r in during), [r for r in during if not r["done"]]
     assert all(r["endpoint"] != victim_url for r in during)
-    # No request waits longer than the first-byte timeout per engine it left, plus its answer: the
-    # slowest answer of a request that went to one engine only (how fast the others serve, which on
-    # a loaded machine can be slow: the last try then waits for it rather than fail, patience.py).
-    one_try = max((r["wait"] for r in during if r["attempts"] == 1), default=0.0)
-    slowest = max(r["wait"] - (r["attempts"] - 1) * FIRST_BYTE_S for r in during)
-    assert slowest <= one_try + 2, sorted((r["wait"], r["attempts"]) for r in during)[-5:]
-    assert max(r["attempts"] for r in during) <= 3
+    # No request waits longer than the first-byte timeout plus one retry: at most one engine left
+    # (the stopped one), after at most one first-byte timeout there (or less: ejection cuts the wait).
+    # The retry itself recomputes the prefix the stopped engine held, as slowly as the machine makes
+    # it: the router reports the answering engine's time, and what remains is what failover cost.
+    assert max(r["attempts"] for r in during) <= 2, sorted((r["attempts"], r["wait"]) for r in during)
+    lost = [r["wait"] - r["upstream_s"] for r in during]
+    slowest = max(lost)
+    assert slowest <= FIRST_BYTE_S + 1, sorted(zip(lost, (r["attempts"] for r in during), strict=True))[-5:]
     # Before the stop: only streams that had started on the victim may fail (cut by the idle timeout).
     for r in results:
         if not r["done"]:
@@ -549,8 +551,8 @@ async def test_a_wedged_engine_is_ejected_and_comes_back(stack: Stack) -> None:
     await _wait_state(stack, stack.router_url, victim_url, False, 120)
     print(
         f"\n[router-engines] wedge: SIGSTOP {victim_url} during {len(results)} requests; {len(during)} sent "
-        f"while stopped, slowest wait {slowest:.1f}s beyond its first-byte timeouts ({FIRST_BYTE_S:g}s each; slowest "
-        f"one-try answer {one_try:.1f}s), {sum(r['attempts'] > 1 for r in during)} retried; ejected for "
+        f"while stopped, {sum(r['attempts'] > 1 for r in during)} retried; at most {slowest:.1f}s lost to failover "
+        f"(first-byte timeout {FIRST_BYTE_S:g}s), slowest wait {max(r['wait'] for r in during):.1f}s; ejected for "
         f"{ejected['ejectionReason']}; back {returned_after:.1f}s after SIGCONT; hit rate after "
         f"{cached / prompt_tokens:.2f}"
     )

@@ -219,10 +219,13 @@ class Proxy:
             code="upstream_failed",
         )
 
-    def _decision_headers(self, call: _Call, ep: Endpoint) -> dict[str, str]:
+    def _decision_headers(self, call: _Call, ep: Endpoint, t0: float) -> dict[str, str]:
+        """The decision and its cost: tries, and the answering engine's time to the first byte
+        (Envoy's x-envoy-upstream-service-time), so a client can tell queueing upstream from failover."""
         decision = call.decision
         return {
             "x-kvstrata-attempts": str(call.tries),
+            "x-kvstrata-upstream-ms": str(round((time.perf_counter() - t0) * 1000)),
             "x-kvstrata-endpoint": ep.url,
             "x-kvstrata-predicted-cached-tokens": str(decision.predicted_cached_tokens(ep, self.block_size)),
             "x-kvstrata-reason": decision.reason,
@@ -311,7 +314,7 @@ class Proxy:
             if stream and resp.status == 200:
                 return await self._stream(call, resp, first, ep, t0, prefill)
             out = web.Response(status=resp.status, body=body, headers=_response_headers(resp))
-            out.headers.update(self._decision_headers(call, ep))
+            out.headers.update(self._decision_headers(call, ep, t0))
             if call.decision.hashes:
                 self._observe_cached(call.decision, ep, body)
             if resp.status < 400:
@@ -360,7 +363,7 @@ class Proxy:
         self._prefill_over(prefill, decision, ep)  # the first token is out
         self.metrics.ttft.labels(ep.url).observe(time.perf_counter() - t0)
         out = web.StreamResponse(status=resp.status, headers=_response_headers(resp))
-        out.headers.update(self._decision_headers(call, ep))
+        out.headers.update(self._decision_headers(call, ep, t0))
         if decision.hashes:
             self.metrics.predicted_cached_tokens.inc(decision.predicted_cached_tokens(ep, self.block_size))
         idle = self.settings.stream_idle_timeout_seconds
