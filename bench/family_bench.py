@@ -65,7 +65,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path(".bench/router-family.json"))
     p.add_argument("--workdir", type=Path, default=Path(".bench/router-family"))
     p.add_argument("--dry-run", action="store_true", help="print the draws and their sizes, run nothing")
-    p.add_argument("--report", type=Path, help="print the tables of a finished or partial JSON and exit")
+    p.add_argument(
+        "--report",
+        type=Path,
+        nargs="+",
+        help="print the tables of finished or partial JSONs and exit; several files (runs of other "
+        "seed windows) are pooled as one run",
+    )
     return p.parse_args(argv)
 
 
@@ -310,6 +316,28 @@ def _pm(x: tuple[float, float] | None, digits: int = 1) -> str:
     return "-" if x is None else f"{x[0]:+.{digits}f} ± {x[1]:.{digits}f}"
 
 
+def combine(payloads: list[dict[str, Any]]) -> dict[str, Any]:
+    """Runs of different seed windows as one: their draws by seed, pooled again. A seed run twice is
+    refused rather than counted twice or picked by outcome."""
+    if len(payloads) == 1:
+        return payloads[0]
+    routers = payloads[0]["routers"]
+    if any(p["routers"] != routers for p in payloads):
+        raise SystemExit("--report: the runs compare different routers")
+    draws = sorted((d for p in payloads for d in p["draws"]), key=lambda d: d["seed"])
+    seeds = [d["seed"] for d in draws]
+    if len(set(seeds)) != len(seeds):
+        raise SystemExit(f"--report: a seed appears in more than one run: {seeds}")
+    return {
+        **payloads[0],
+        "draws_planned": sum(p["draws_planned"] for p in payloads),
+        "draws": draws,
+        "pooled": pooled(draws, routers),
+        "total_s": sum(p["total_s"] for p in payloads),
+        "runs": [p["machine"] for p in payloads],
+    }
+
+
 def render(payload: dict[str, Any]) -> str:
     if payload.get("dry_run"):
         return f"{len(payload['draws'])} draws (dry run)"
@@ -377,7 +405,7 @@ def render(payload: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.report:
-        print(render(json.loads(args.report.read_text())))
+        print(render(combine([json.loads(path.read_text()) for path in args.report])))
         return 0
     return bench_main("bench-router", lambda: run(args), render, args.out)
 

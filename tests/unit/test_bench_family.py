@@ -4,11 +4,12 @@ machine budget, say what was scaled; prompts extend turn by turn; pooled figures
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 from bench import family
 from bench.family import Draw, conversations, draw, fit_budget, paired, schedule
-from bench.family_bench import KVSTRATA, pooled
+from bench.family_bench import KVSTRATA, combine, pooled
 
 
 def words(text: str) -> int:
@@ -95,3 +96,26 @@ def test_pooled_pairs_draws_per_regime() -> None:
     assert pressure["ttft_mean_ratio"][0] == pytest.approx((0.5 + 1.5) / 2)
     assert pressure["hit_ge_peer_draws"] == 1
     assert out["rich"]["hit_ge_best_peer_draws"] == 1 and out["all"]["draws"] == 3
+
+
+def test_runs_of_two_seed_windows_pool_as_one_and_a_seed_twice_is_refused() -> None:
+    def run(*draws: tuple[int, dict[str, Any]]) -> dict[str, Any]:
+        rows = [{**d, "seed": seed} for seed, d in draws]
+        routers = [KVSTRATA, "peer/x"]
+        return {
+            "routers": routers,
+            "machine": {},
+            "draws_planned": len(rows),
+            "draws": rows,
+            "pooled": pooled(rows, routers),
+            "total_s": 10.0,
+        }
+
+    first = run((1, _draw_row("pressure", 0.6, 0.5, 100, 200)))
+    second = run((3, _draw_row("pressure", 0.4, 0.5, 300, 200)), (2, _draw_row("rich", 0.8, 0.8, 100, 100)))
+    both = combine([second, first])
+    assert [d["seed"] for d in both["draws"]] == [1, 2, 3] and both["total_s"] == 20.0
+    assert both["pooled"] == pooled(both["draws"], [KVSTRATA, "peer/x"])
+    assert both["pooled"]["pressure"]["vs"]["peer/x"]["pairs"] == 2
+    with pytest.raises(SystemExit, match="more than one run"):
+        combine([first, first])
