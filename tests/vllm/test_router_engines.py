@@ -520,14 +520,16 @@ async def test_a_wedged_engine_is_ejected_and_comes_back(stack: Stack) -> None:
     assert during, "no request was sent while the engine was stopped"
     assert all(r["done"] for r in during), [r for r in during if not r["done"]]
     assert all(r["endpoint"] != victim_url for r in during)
-    # No request waits longer than the first-byte timeout plus one retry: at most one engine left
-    # (the stopped one), after at most one first-byte timeout there (or less: ejection cuts the wait).
-    # The retry itself recomputes the prefix the stopped engine held, as slowly as the machine makes
-    # it: the router reports the answering engine's time, and what remains is what failover cost.
-    assert max(r["attempts"] for r in during) <= 2, sorted((r["attempts"], r["wait"]) for r in during)
-    lost = [r["wait"] - r["upstream_s"] for r in during]
-    slowest = max(lost)
-    assert slowest <= FIRST_BYTE_S + 1, sorted(zip(lost, (r["attempts"] for r in during), strict=True))[-5:]
+    # No request waits on the stopped engine longer than one first-byte timeout (less when ejection
+    # cuts the wait), then it is retried. The retry recomputes the prefix the stopped engine held, as
+    # slowly as the machine makes it, and on a loaded machine a healthy engine can itself miss the
+    # (short, 6 s) first-byte timeout and pass the request on once more. The router reports the
+    # answering engine's time; what remains is what failover cost: one first-byte timeout at most
+    # per engine the request left.
+    lost = [(r["wait"] - r["upstream_s"], r["attempts"]) for r in during]
+    assert all(t <= (n - 1) * FIRST_BYTE_S + 1 for t, n in lost), sorted(lost)[-5:]
+    assert any(n > 1 for _, n in lost), "no request was retried off the stopped engine"
+    slowest = max(t for t, _ in lost)
     # Before the stop: only streams that had started on the victim may fail (cut by the idle timeout).
     for r in results:
         if not r["done"]:
@@ -551,7 +553,8 @@ async def test_a_wedged_engine_is_ejected_and_comes_back(stack: Stack) -> None:
     await _wait_state(stack, stack.router_url, victim_url, False, 120)
     print(
         f"\n[router-engines] wedge: SIGSTOP {victim_url} during {len(results)} requests; {len(during)} sent "
-        f"while stopped, {sum(r['attempts'] > 1 for r in during)} retried; at most {slowest:.1f}s lost to failover "
+        f"while stopped, {sum(r['attempts'] > 1 for r in during)} retried ({sum(r['attempts'] > 2 for r in during)} twice); at "
+        f"most {slowest:.1f}s lost to failover "
         f"(first-byte timeout {FIRST_BYTE_S:g}s), slowest wait {max(r['wait'] for r in during):.1f}s; ejected for "
         f"{ejected['ejectionReason']}; back {returned_after:.1f}s after SIGCONT; hit rate after "
         f"{cached / prompt_tokens:.2f}"
