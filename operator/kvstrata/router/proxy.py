@@ -200,10 +200,10 @@ class Proxy:
         last: Failed | None = None
         while left and call.tries < tries:
             if last is not None:
-                self.metrics.retries.labels(last.kind.value).inc()
                 left = self.router.retry_order(decision, left)
                 if not left:
                     break
+                self.metrics.retries.labels(last.kind.value).inc()
             ep = left.pop(0)
             # Last: no try left, or no endpoint left in rotation to retry on.
             is_last = call.tries + 1 == tries or all(self.outlier.ejected(later) for later in left)
