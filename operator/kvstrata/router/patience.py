@@ -22,13 +22,8 @@ from kvstrata.router.pool import Endpoint
 
 
 @contextmanager
-def last_try_patience(
-    limit: asyncio.Timeout, ep: Endpoint, period: float, budget: float, *, on: bool = True
-) -> Iterator[None]:
-    """Drive ``limit`` (entered with no deadline) while the body runs; a no-op when not ``on``."""
-    if not on:
-        yield
-        return
+def last_try_patience(limit: asyncio.Timeout, ep: Endpoint, period: float, budget: float) -> Iterator[None]:
+    """Drive ``limit`` (entered with no deadline) while the body runs."""
     loop = asyncio.get_running_loop()
     start = loop.time()
     end = start + budget

@@ -28,6 +28,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -211,8 +212,7 @@ class Proxy:
             if isinstance(result, Answered):
                 return result.response
             last = result
-        if last is None:  # every endpoint left was ejected before the first try
-            last = Failed(FailureKind.EJECTED, "every endpoint was ejected")
+        assert last is not None  # a decision names at least one endpoint, and one try is always made
         return json_error(
             502,
             f"all {call.tries} endpoint(s) failed; last error: {last.kind}: {last.detail}",
@@ -273,9 +273,9 @@ class Proxy:
                 async with asyncio.timeout(deadline) as limit:
                     with (
                         self.outlier.waiter(ep, limit) as waiter,
-                        last_try_patience(
-                            limit, ep, s.first_byte_timeout_seconds, s.upstream_timeout_seconds, on=patient
-                        ),
+                        last_try_patience(limit, ep, s.first_byte_timeout_seconds, s.upstream_timeout_seconds)
+                        if patient
+                        else nullcontext(),
                     ):
                         resp = await self.session.request(
                             call.request.method,
