@@ -1,6 +1,6 @@
 # Benchmarks: kvstrata's router vs vllm-router and sglang-router. Figures are printed and written to
 # .bench/*.json; they never fail a build. See docs/benchmarks.md.
-.PHONY: bench-router bench-router-fixed bench-router-tiers bench-proxy bench-router-overhead bench-deps bench-tools bench-lint
+.PHONY: bench-router bench-router-fixed bench-router-tiers bench-tier-credit bench-proxy bench-router-overhead bench-deps bench-tools bench-lint
 
 BENCH_DIR ?= .bench
 
@@ -38,6 +38,10 @@ bench-router-fixed: venv vllm bench-deps
 # (bench/tiers_bench.py); e.g. BENCH_ARGS="--routers kvstrata/kv-aware --seeds 7".
 bench-router-tiers: venv vllm bench-deps
 	$(PY) -m bench.tiers_bench --out $(BENCH_DIR)/router-tiers.json $(BENCH_ARGS)
+
+# What a prefix hit on each KV tier saves (the router's tierWeights), on one real tiered engine.
+bench-tier-credit: venv vllm
+	$(PY) -m bench.tier_credit_bench --out $(BENCH_DIR)/tier-credit.json $(BENCH_ARGS)
 
 # Router overhead: req/s and added latency to a static nginx backend, non-streaming and SSE.
 bench-proxy: venv bench-deps bench-tools

@@ -408,6 +408,7 @@ async def _one(
 
 # Short deadlines so the wedge shows within the test's time (defaults are 60 s / 10 s).
 FIRST_BYTE_S = 6.0
+SLACK_S = 3.0
 WEDGE_SETTINGS = {
     "FIRST_BYTE_TIMEOUT_SECONDS": str(FIRST_BYTE_S),
     "STREAM_IDLE_TIMEOUT_SECONDS": str(FIRST_BYTE_S),
@@ -448,6 +449,14 @@ async def _timed(s: aiohttp.ClientSession, base: str, prompt: str, stream: bool)
     except aiohttp.ClientError as exc:
         out["error"] = repr(exc)
     return out
+
+
+def _why(failed: list[dict[str, Any]], router_log: Path, stopped_at: float) -> str:
+    """What a failed request got, and what the router logged: enough to tell a fault from CI's log."""
+    keys = ("stream", "status", "attempts", "endpoint", "error")
+    seen = "\n".join(f"+{r['sent'] - stopped_at:.1f}s " + repr({k: r.get(k) for k in keys}) for r in failed)
+    lines = [ln for ln in router_log.read_text().splitlines() if "WARNING" in ln or "ERROR" in ln]
+    return seen + "\nrouter warnings:\n" + "\n".join(lines[-30:])
 
 
 async def _wait_state(
@@ -518,7 +527,8 @@ async def test_a_wedged_engine_is_ejected_and_comes_back(stack: Stack) -> None:
         await asyncio.to_thread(stop_router, proc)
     during = [r for r in results if r["sent"] >= stopped_at]
     assert during, "no request was sent while the engine was stopped"
-    assert all(r["done"] for r in during), [r for r in during if not r["done"]]
+    failed = [r for r in during if not r["done"]]
+    assert not failed, _why(failed, stack.log_dir / "router-wedge.log", stopped_at)
     assert all(r["endpoint"] != victim_url for r in during)
     # No request waits on the stopped engine longer than one first-byte timeout (less when ejection
     # cuts the wait), then it is retried. The retry recomputes the prefix the stopped engine held, as
@@ -526,8 +536,11 @@ async def test_a_wedged_engine_is_ejected_and_comes_back(stack: Stack) -> None:
     # (short, 6 s) first-byte timeout and pass the request on once more. The router reports the
     # answering engine's time; what remains is what failover cost: one first-byte timeout at most
     # per engine the request left.
+    # SLACK_S is the rest of a client's wait: the router's own work and the test client's, both on a
+    # machine whose cores three engines share (seen: 1-2 s with two CPU hogs added).
     lost = [(r["wait"] - r["upstream_s"], r["attempts"]) for r in during]
-    assert all(t <= (n - 1) * FIRST_BYTE_S + 1 for t, n in lost), sorted(lost)[-5:]
+    over = sorted(lost, key=lambda tn: tn[0] - (tn[1] - 1) * FIRST_BYTE_S)
+    assert all(t <= (n - 1) * FIRST_BYTE_S + SLACK_S for t, n in lost), over[-5:]
     assert any(n > 1 for _, n in lost), "no request was retried off the stopped engine"
     slowest = max(t for t, _ in lost)
     # Before the stop: only streams that had started on the victim may fail (cut by the idle timeout).

@@ -63,6 +63,7 @@ class LoadScraper:
         self.session = session
         self.interval = interval
         self.timeout = aiohttp.ClientTimeout(total=timeout)
+        self._window = timeout + interval  # one scrape's span: streaming within it means alive
         self._task: asyncio.Task[None] | None = None
         self._scrapes: dict[str, asyncio.Task[None]] = {}
         # Called when an endpoint turns unhealthy (the router drops its index entries).
@@ -133,5 +134,9 @@ class LoadScraper:
         # An engine that has never answered is booting, not an outlier: ejecting it would grow its
         # ejection (n × base) through its whole boot, and keep it out for up to a minute after it is
         # ready. Until its first answer it is only unhealthy (refused connections), which routing skips.
-        if self.outlier is not None and ep.failures >= self.fail_after and ep.scraped:
+        # An engine whose streams move is busy, not wedged, whatever its API server's scrape latency:
+        # ejecting it on a loaded machine would also use up the room max_ejection_percent leaves for
+        # the engine that is wedged (seen in CI: 1 s scrape deadlines, 2 cores, 3 engines).
+        busy = kind is FailureKind.SCRAPE_TIMEOUT and ep.streamed_at >= time.monotonic() - self._window
+        if self.outlier is not None and ep.failures >= self.fail_after and ep.scraped and not busy:
             self.outlier.eject(ep, kind)

@@ -31,6 +31,7 @@ class Endpoint:
     failures: int = 0
     scraped: bool = False
     answered_at: float = 0.0  # monotonic time of its last answered scrape (any status under 500)
+    streamed_at: float = 0.0  # monotonic time it last sent a request's bytes (a stream chunk, a body)
     extra: dict[str, object] = field(default_factory=dict)
 
     @property
@@ -44,6 +45,12 @@ class Endpoint:
         The engine's running count includes our in-flight requests, so take the larger of the two
         views rather than the sum (the scrape lags; in-flight is exact for this router)."""
         return max(float(self.in_flight), self.running) + self.waiting
+
+    def heard_within(self, seconds: float, now: float) -> bool:
+        """Whether the engine answered a scrape or sent a request bytes in the last ``seconds``: busy
+        if it has work, not wedged. Either alone can lag on a loaded machine (an API server too slow
+        for the scrape deadline still streams tokens; a long prefill streams nothing but answers scrapes)."""
+        return max(self.answered_at, self.streamed_at) >= now - seconds
 
 
 def faded(value: float, age_s: float, window_s: float) -> float:

@@ -291,6 +291,7 @@ class Proxy:
                             first = await resp.content.readany()
                         else:
                             body = await self._read_bounded(resp)
+                        ep.streamed_at = time.monotonic()
             except aiohttp.ConnectionTimeoutError as exc:
                 return self._failed(FailureKind.CONNECT_TIMEOUT, ep, exc)
             except aiohttp.ClientConnectorError as exc:
@@ -380,6 +381,7 @@ class Proxy:
             try:
                 async with asyncio.timeout(idle):
                     chunk = await resp.content.readany()
+                ep.streamed_at = time.monotonic()
             except TimeoutError:
                 return await self._abort(out, ep, f"no data for {idle:g}s", Outcome.STREAM_IDLE_TIMEOUT)
             except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:

@@ -35,6 +35,7 @@ from kvstrata.api.router_config import RouterSettings
 from kvstrata.router.loadscrape import LoadScraper
 from kvstrata.router.outcomes import FailureKind
 from kvstrata.router.outlier import AllEjected, OutlierDetector
+from kvstrata.router.patience import last_try_patience
 from kvstrata.router.pool import Endpoint, EndpointPool, EndpointSpec
 from kvstrata.router.scoring import rendezvous
 from kvstrata.router.workpool import PoolBusy, WorkPools
@@ -371,6 +372,63 @@ async def test_scrape_timeouts_eject_a_wedged_engine_but_keep_its_cache(wedged: 
         await scraper.scrape_all()
     assert det.ejected(ep) and det.state(ep).reason is FailureKind.SCRAPE_TIMEOUT
     assert ep.healthy and downs == []
+
+
+async def test_scrape_timeouts_of_an_engine_that_streams_do_not_eject_it(wedged: Callable[[], Any]) -> None:
+    """An API server too slow for the scrape deadline on a loaded machine, while its engine streams
+    tokens, is busy: ejecting it would spend the room max_ejection_percent keeps for a wedged one."""
+    w = await wedged()  # its /metrics never answers, as a starved API server's would not in time
+    pool = EndpointPool()
+    pool.replace([EndpointSpec(w.url)])
+    (ep,) = pool.all()
+    ep.scraped = True
+    det = OutlierDetector(RouterSettings(model=MODEL), pool_size=lambda: 1)
+    async with aiohttp.ClientSession() as session:
+        scraper = LoadScraper(pool, session, interval=0.1, timeout=0.2, outlier=det, fail_after=2)
+        for _ in range(3):
+            ep.streamed_at = time.monotonic()  # a request's stream moved just now
+            await scraper.scrape_all()
+        assert not det.ejected(ep) and ep.failures == 3
+        ep.streamed_at = time.monotonic() - 1  # the streams stopped too: wedged
+        await scraper.scrape_all()
+    assert det.ejected(ep) and det.state(ep).reason is FailureKind.SCRAPE_TIMEOUT
+
+
+async def test_the_last_try_is_patient_while_its_engine_streams_or_answers_scrapes() -> None:
+    """Either sign of life keeps the last try waiting past its first-byte period; silence ends it."""
+    ep = Endpoint(EndpointSpec("http://e"))
+    period = 0.2
+
+    async def wait_with(sign: Callable[[], None] | None) -> bool:
+        """Whether a 1 s wait outlived the patience (True) or was cut at a period (False)."""
+
+        async def beat() -> None:
+            while sign is not None:
+                sign()
+                await asyncio.sleep(period / 4)
+
+        beating = asyncio.create_task(beat())
+        try:
+            async with asyncio.timeout(None) as limit:
+                with last_try_patience(limit, ep, period, budget=5):
+                    await asyncio.sleep(1)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            beating.cancel()
+
+    def streamed() -> None:
+        ep.streamed_at = time.monotonic()
+
+    def answered() -> None:
+        ep.answered_at = time.monotonic()
+
+    t0 = time.monotonic()
+    assert not await wait_with(None) and time.monotonic() - t0 < 2 * period
+    assert await wait_with(streamed)
+    ep.streamed_at = 0.0
+    assert await wait_with(answered)
 
 
 async def test_5xx_burst_ejects_the_engine(make_router: RouterFactory, fakes: Callable[..., Any]) -> None:
