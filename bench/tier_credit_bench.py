@@ -248,9 +248,9 @@ def render(payload: dict[str, Any]) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="bench-tier-credit", description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompt-tokens", type=int, default=1024)
-    ap.add_argument("--pool-blocks", type=int, default=160, help="The engine's KV pool, in blocks")
+    ap.add_argument("--pool-blocks", type=int, default=80, help="The engine's KV pool, in blocks")
     ap.add_argument("--cpu-tier-mib", type=int, default=40, help="CPU DRAM tier (MiB)")
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=32, help="vLLM CPU attention needs a multiple of 32")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--seed", type=int, default=1, help="Prompt token ids; fixed, not chosen by outcome")
     ap.add_argument("--out", type=Path, default=Path(".bench/tier-credit.json"))

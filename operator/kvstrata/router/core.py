@@ -373,12 +373,18 @@ class Router:
         A retry is a new choice: the first ranking's runner-up was chosen before the failure, on loads
         that have moved since, and every request cut from one engine would follow it to the same place
         (seen: four requests cut from a stopped engine all went to one engine while another sat idle).
-        Decisions the scorers did not make (other policies, pass-through) keep their order."""
+        Decisions the scorers did not make (other policies, pass-through) keep their order.
+
+        Engines not heard from within a first-byte period (no scrape answered, nothing streamed) go
+        last whatever their rank: likely wedged, and not yet ejected."""
         live = [ep for ep in left if not self.outlier.ejected(ep)]
         if decision.request is None or len(live) < 2:
             return live
         ranked, dropped = self._rank(replace(decision.request, now=time.monotonic()), live)
-        return [r.endpoint for r in ranked] + dropped
+        order = [r.endpoint for r in ranked] + dropped
+        period, now = self.settings.first_byte_timeout_seconds, time.monotonic()
+        heard = [ep for ep in order if ep.heard_within(period, now)]
+        return heard + [ep for ep in order if ep not in heard] if heard else order
 
     def _reason(
         self,

@@ -7,8 +7,9 @@ Deadlines (see docs/router.md, "Timeouts and ejection"):
 - non-streamed requests: the whole answer within ``upstreamTimeoutSeconds`` (engines send nothing
   before the end), read into memory up to ``maxResponseBytes``.
 A wait for the first byte also ends when its endpoint is ejected (another request's failures, or
-failed scrapes, showed it wedged): the request is retried elsewhere. A stream's last try is patient
-(router/patience.py): past the first-byte timeout it keeps waiting while its engine answers scrapes.
+failed scrapes, showed it wedged): the request is retried elsewhere. A stream's last try, or a try
+after which only ejected or silent engines are left, is patient (router/patience.py): past the
+first-byte timeout it keeps waiting while its engine is heard from (scrapes answered, streams moving).
 
 Failover rules:
 - a failure *before anything was sent to the client* (connect error or timeout, first-byte timeout,
@@ -208,7 +209,10 @@ class Proxy:
             ep = left.pop(0)
             # Last: no try left, or no endpoint left in rotation to retry on.
             is_last = call.tries + 1 == tries or all(self.outlier.ejected(later) for later in left)
-            result = await self._attempt(call, ep, is_last)
+            # A stream waits past its first-byte timeout when moving on could only reach engines that are
+            # out or silent (wedged but not yet ejected): patience.py.
+            patient = call.stream and (is_last or not self._any_live(left))
+            result = await self._attempt(call, ep, is_last, patient)
             if isinstance(result, Answered):
                 return result.response
             last = result
@@ -231,7 +235,12 @@ class Proxy:
             "x-kvstrata-reason": decision.reason,
         }
 
-    async def _attempt(self, call: _Call, ep: Endpoint, is_last: bool) -> AttemptResult:
+    def _any_live(self, eps: list[Endpoint]) -> bool:
+        """Whether any of ``eps`` is in rotation and was heard from within a first-byte period."""
+        period, now = self.settings.first_byte_timeout_seconds, time.monotonic()
+        return any(ep.heard_within(period, now) and not self.outlier.ejected(ep) for ep in eps)
+
+    async def _attempt(self, call: _Call, ep: Endpoint, is_last: bool, patient: bool) -> AttemptResult:
         """One try on ``ep``: :class:`Answered` (the client has its response) or :class:`Failed`
         (nothing was sent; the caller may try the next endpoint)."""
         decision = call.decision
@@ -242,7 +251,7 @@ class Proxy:
         t0 = time.perf_counter()
         outcome = Outcome.DISCONNECTED
         try:
-            result, outcome = await self._exchange(call, ep, is_last, t0, prefill)
+            result, outcome = await self._exchange(call, ep, is_last, patient, t0, prefill)
             return result
         except asyncio.CancelledError:
             outcome = Outcome.CLIENT_DISCONNECT
@@ -259,13 +268,12 @@ class Proxy:
                 self.outlier.success(ep)
 
     async def _exchange(
-        self, call: _Call, ep: Endpoint, is_last: bool, t0: float, prefill: PrefillTicket
+        self, call: _Call, ep: Endpoint, is_last: bool, patient: bool, t0: float, prefill: PrefillTicket
     ) -> tuple[AttemptResult, Outcome]:
         s = self.settings
         stream = call.stream
-        patient = stream and is_last
         deadline: float | None = s.upstream_timeout_seconds
-        if stream:  # a last try's deadline is set by last_try_patience
+        if stream:  # a patient try's deadline is set by last_try_patience
             deadline = None if patient else s.first_byte_timeout_seconds
         resp: aiohttp.ClientResponse | None = None
         try:

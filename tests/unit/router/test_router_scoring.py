@@ -404,3 +404,26 @@ def test_fit_demand_counts_distinct_blocks_and_stays_bounded() -> None:
     assert fit.demand_blocks(a, 40.0) == 1
     fit.on_routed(a, 41.0, list(range(10_000)))
     assert len(fit.demand["a"]) == 4 * 1024
+
+
+async def test_a_retry_tries_engines_heard_from_before_silent_ones() -> None:
+    """A silent engine (no scrape answered, nothing streamed within a first-byte period: wedged, not yet
+    ejected) is tried last on a retry whatever its rank; with none heard from, the ranking stands."""
+    import time
+
+    r = _router("kv-aware")
+    tokens = list(range(12))
+    d = await r.decide(_req(tokens))
+    r.commit(d, d.order[0])
+    d = await r.decide(_req(tokens))
+    holder, *others = d.order
+    left = [holder, *others]
+    assert r.retry_order(d, left)[0] is holder  # its prefix match ranks it first
+    now = time.monotonic()
+    for e in others:
+        e.answered_at = now
+    assert r.retry_order(d, left)[-1] is holder
+    others[0].answered_at = 0.0
+    others[0].streamed_at = now  # streaming counts as heard from too
+    assert r.retry_order(d, left)[-1] is holder
+    r.close()
