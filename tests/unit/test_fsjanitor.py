@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstrata.engine.fsjanitor import KvFile, choose_victims, evict, scan
+from kvstrata.engine.fsjanitor import EvictionLog, KvFile, block_hash, choose_victims, evict, scan
 
 
 def f(name: str, size: int, used: float, evictable: bool = True) -> KvFile:
@@ -74,3 +74,33 @@ def test_an_open_file_stays_readable_after_eviction(tmp_path: Path) -> None:
         assert evict([KvFile(str(p), 4096, 0, True)]) == 4096
         assert not p.exists()
         assert reader.read() == b"k" * 4096
+
+
+def test_a_block_files_name_gives_the_hash_kv_events_carry() -> None:
+    """vLLM names a block file by its full hash in hex and KV events carry the low 64 bits
+    (the router's normalize_hash of the same digest)."""
+    from kvstrata.router.hashing import normalize_hash
+
+    digest = bytes(range(32))
+    path = f"/kv/tiny_abc_r0/000/01_g0/{digest.hex()}.bin"
+    assert block_hash(path) == normalize_hash(digest)
+    assert block_hash("/kv/tiny_abc/config.json") is None
+    assert block_hash(f"/kv/x/{digest.hex()}.bin.tmp") is None
+    assert block_hash("/kv/x/not-hex.bin") is None
+
+
+def test_the_eviction_log_serves_each_hash_once_and_says_what_it_dropped() -> None:
+    log = EvictionLog(size=4)
+    assert log.since(0) == {"epoch": log.epoch, "next": 0, "hashes": [], "missed": False}
+    log.add([1, 2, 3])
+    first = log.since(0)
+    assert first["hashes"] == [1, 2, 3] and first["next"] == 3 and not first["missed"]
+    log.add([4, 5, 6])
+    later = log.since(3)
+    assert later["hashes"] == [4, 5, 6] and later["next"] == 6 and not later["missed"]
+    # A reader that fell behind the log's size gets what is left, and is told.
+    behind = log.since(1)
+    assert behind["hashes"] == [3, 4, 5, 6] and behind["missed"]
+    # A number from another epoch (the janitor restarted): nothing, and told.
+    assert log.since(99) == {"epoch": log.epoch, "next": 6, "hashes": [], "missed": True}
+    assert EvictionLog().epoch != log.epoch

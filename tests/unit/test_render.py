@@ -84,6 +84,17 @@ def test_router_config_is_valid_settings_matching_the_engines() -> None:
     assert settings.discovery.service == "tiny-engine" and settings.discovery.namespace == "ns1"
     assert settings.tokenizer == "/models/tiny-llama"
     assert settings.model == "tiny"
+    assert settings.discovery.fs_janitor_port is None  # no NVMe tier, no janitor
+
+
+def test_router_fetches_evictions_from_the_janitor_on_the_port_the_pod_serves_it() -> None:
+    objs, _ = objects(example("tiny-cpu-tiered.yaml"))
+    settings = RouterSettings.model_validate(
+        json.loads(objs[("ConfigMap", "tiny-tiered-router")]["data"]["router.json"])
+    )
+    pod = objs[("StatefulSet", "tiny-tiered-engine")]["spec"]["template"]["spec"]
+    (janitor,) = pod["initContainers"]
+    assert janitor["ports"][0]["containerPort"] == settings.discovery.fs_janitor_port
 
 
 def test_router_config_change_rolls_the_router() -> None:

@@ -28,6 +28,8 @@ ENGINE_PORT: Final = 8000
 ROUTER_PORT: Final = 8080
 KV_EVENTS_PORT: Final = 5557
 KV_REPLAY_PORT: Final = 5558
+# The engine pod's fs-janitor sidecar (NVMe tier): its metrics and the evictions the router fetches.
+FS_JANITOR_PORT: Final = 9402
 KV_EVENTS_TOPIC: Final = "kv-events"
 
 # Label keys on every rendered child; the controller and the router select on them.
@@ -70,6 +72,9 @@ class StaticEndpoint(_Wire):
     url: str = Field(description="Base URL of the engine's OpenAI server, e.g. http://127.0.0.1:8001")
     kv_events: str | None = Field(None, description="ZMQ PUB endpoint, e.g. tcp://127.0.0.1:5557")
     kv_replay: str | None = Field(None, description="ZMQ ROUTER replay endpoint, e.g. tcp://127.0.0.1:5558")
+    fs_janitor: str | None = Field(
+        None, description="Base URL of the engine's fs-janitor (NVMe tier), e.g. http://127.0.0.1:9402"
+    )
 
 
 class Discovery(_Wire):
@@ -80,6 +85,11 @@ class Discovery(_Wire):
     engine_port: int = ENGINE_PORT
     kv_events_port: int = KV_EVENTS_PORT
     kv_replay_port: int = KV_REPLAY_PORT
+    fs_janitor_port: int | None = Field(
+        None,
+        description="The engine pods' fs-janitor port, on clusters with an NVMe tier: the router fetches "
+        "the block files it evicted (vLLM reports none) and drops them from its index",
+    )
     static: list[StaticEndpoint] = Field(default_factory=list)
 
 

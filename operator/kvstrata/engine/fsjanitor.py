@@ -15,6 +15,13 @@ after the unlink sees no file (`os.path.exists`) and is a miss; a load scheduled
 fails to open, and vLLM marks those keys a miss and recomputes them (tiering/fs/manager.py
 `get_finished_jobs`, tiering/manager.py `_complete_promotion`) — never an engine error.
 
+The router learns of the evictions from the janitor (vLLM publishes a STORAGE BlockStored for each block
+file it writes but never a BlockRemoved, as it never deletes one): the janitor keeps the 64-bit block hash
+of every file it evicted in a bounded log and serves it at `GET /evictions?after=<n>` next to `/metrics`;
+the router polls it and drops those STORAGE entries from its index (router/storage_evictions.py). A block
+file is named by the block's full hash in hex (vllm/v1/kv_offload/file_mapper.py) and KV events carry its
+low 64 bits (`maybe_convert_block_hash`), so the name alone gives the event's hash.
+
 A full PVC does not crash the engine either: a store that hits ENOSPC raises in vLLM's I/O thread, the
 job is reported failed and logged ("block I/O failed"), the temp file is removed, and the CPU tier
 keeps the block. The budget (the planner's 90% of the PVC) leaves room beyond it; under the budget, the
@@ -25,11 +32,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
+import threading
 import time
+import uuid
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 BLOCK_SUFFIX = ".bin"
 # Start evicting above this share of the budget, stop below LOW_WATER: the gap absorbs the blocks
@@ -41,6 +54,10 @@ METRIC_USED = "kvstrata_fs_tier_used_bytes"
 METRIC_BUDGET = "kvstrata_fs_tier_budget_bytes"
 METRIC_EVICTED_BYTES = "kvstrata_fs_tier_evicted_bytes"  # counters: exported with a _total suffix
 METRIC_EVICTED_FILES = "kvstrata_fs_tier_evicted_files"
+EVICTIONS_PATH = "/evictions"
+# Evicted block hashes kept for the router to fetch: at a poll a second, far more than a pass evicts.
+EVICTION_LOG_SIZE = 1 << 16
+_MASK64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -125,18 +142,93 @@ def evict(victims: Iterable[KvFile]) -> int:
     return removed
 
 
+def block_hash(path: str) -> int | None:
+    """The hash KV events carry for the block stored in ``path``, or None for a file that is not a block."""
+    name = os.path.basename(path)
+    if not name.endswith(BLOCK_SUFFIX):
+        return None
+    try:
+        return int(name[: -len(BLOCK_SUFFIX)], 16) & _MASK64
+    except ValueError:
+        return None
+
+
+class EvictionLog:
+    """The last ``size`` evicted block hashes, numbered from 0 since this process started (``epoch``).
+
+    A reader passes the number after the last hash it has seen; ``missed`` tells it some were dropped
+    from the log before it read them (their index entries then stay until the router's own bound)."""
+
+    def __init__(self, size: int = EVICTION_LOG_SIZE) -> None:
+        self.epoch = uuid.uuid4().hex
+        self._hashes: deque[int] = deque(maxlen=size)
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def add(self, hashes: Iterable[int]) -> None:
+        with self._lock:
+            for h in hashes:
+                self._hashes.append(h)
+                self._next += 1
+
+    def since(self, after: int) -> dict[str, object]:
+        with self._lock:
+            first = self._next - len(self._hashes)
+            start = min(max(after, first), self._next) if after >= 0 else first
+            hashes = list(self._hashes)[start - first :]
+            return {
+                "epoch": self.epoch,
+                "next": self._next,
+                "hashes": hashes,
+                "missed": after < first or after > self._next,
+            }
+
+
+def _handler(log: EvictionLog) -> type[BaseHTTPRequestHandler]:  # pragma: no cover
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            url = urlsplit(self.path)
+            if url.path == EVICTIONS_PATH:
+                try:
+                    after = int(parse_qs(url.query).get("after", ["0"])[0])
+                except ValueError:
+                    self.send_error(400, "after must be an integer")
+                    return
+                body, ctype = json.dumps(log.since(after)).encode(), "application/json"
+            elif url.path in ("/", "/metrics"):
+                body, ctype = generate_latest(), CONTENT_TYPE_LATEST
+            else:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass  # one line per poll would flood the sidecar's log
+
+    return Handler
+
+
 def run(
     root: Path, budget_bytes: int, interval_s: float, metrics_port: int | None, metrics_host: str = ""
 ) -> None:  # pragma: no cover
-    from prometheus_client import Counter, Gauge, start_http_server
+    from prometheus_client import Counter, Gauge
 
     used_g = Gauge(METRIC_USED, "Bytes in the fs KV tier directory after the last pass")
     budget_g = Gauge(METRIC_BUDGET, "Byte budget of the fs KV tier")
     evicted_bytes = Counter(METRIC_EVICTED_BYTES, "Bytes of KV block files evicted")
     evicted_files = Counter(METRIC_EVICTED_FILES, "KV block files evicted")
     budget_g.set(budget_bytes)
+    log = EvictionLog()
     if metrics_port is not None:
-        start_http_server(metrics_port, addr=metrics_host or "0.0.0.0")
+        server = ThreadingHTTPServer((metrics_host or "0.0.0.0", metrics_port), _handler(log))
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
     last_after = 0
     reserve = 0
     while True:
@@ -145,6 +237,7 @@ def run(
         reserve = max(reserve, sum(f.size for f in files) - last_after)
         decision = choose_victims(files, budget_bytes, reserve_bytes=reserve)
         removed = evict(decision.victims)
+        log.add(h for h in map(block_hash, (f.path for f in decision.victims)) if h is not None)
         last_after = decision.used_bytes - removed
         evicted_bytes.inc(removed)
         evicted_files.inc(len(decision.victims))

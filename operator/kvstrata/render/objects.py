@@ -11,6 +11,7 @@ from typing import Any
 
 from kvstrata.api.models import API_VERSION, KIND, InferenceClusterSpec
 from kvstrata.api.router_config import (
+    FS_JANITOR_PORT,
     KV_EVENTS_PORT,
     KV_EVENTS_TOPIC,
     KV_REPLAY_PORT,
@@ -38,7 +39,6 @@ CONFIG_DIGEST_ANNOTATION = "kvstrata.io/config-digest"
 ENGINE_CONTAINER = "vllm"
 LMCACHE_CONTAINER = "lmcache"
 JANITOR_CONTAINER = "fs-janitor"
-JANITOR_METRICS_PORT = 9402
 ROUTER_CONTAINER = "router"
 ENGINE_COMMAND = ["python3", "-m", "vllm.entrypoints.openai.api_server"]
 ROUTER_CONFIG_DIR = "/etc/kvstrata"
@@ -179,6 +179,11 @@ def _lmcache_container(spec: InferenceClusterSpec, plan: Plan) -> Obj:
     return container
 
 
+def _has_janitor(spec: InferenceClusterSpec, plan: Plan) -> bool:
+    """vLLM's own fs tier (native offloading) needs the janitor; LMCache bounds its own disk tier."""
+    return spec.kv_cache.tiers.nvme is not None and plan.offload_backend == "native"
+
+
 def _janitor_container(spec: InferenceClusterSpec, plan: Plan) -> Obj:
     """Keeps vLLM's fs tier under the plan's NVMe budget (vLLM neither bounds nor evicts it):
     kvstrata.engine.fsjanitor, a native sidecar so it runs for as long as the pod, engine restarts too."""
@@ -194,11 +199,11 @@ def _janitor_container(spec: InferenceClusterSpec, plan: Plan) -> Obj:
             "--budget-bytes",
             str(nvme.bytes),
             "--metrics-port",
-            str(JANITOR_METRICS_PORT),
+            str(FS_JANITOR_PORT),
         ],
         "env": [{"name": "PYTHONPATH", "value": ENGINE_PYTHONPATH}],
         "restartPolicy": "Always",
-        "ports": [{"name": "fs-janitor", "containerPort": JANITOR_METRICS_PORT}],
+        "ports": [{"name": "fs-janitor", "containerPort": FS_JANITOR_PORT}],
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "256Mi"}},
         "securityContext": _security_context(),
         "volumeMounts": [{"name": "kv-cache", "mountPath": NVME_MOUNT}],
@@ -213,7 +218,7 @@ def engine_statefulset(
     env: list[Obj] = [{"name": k, "value": v} for k, v in sorted(plan.engine_env.items())]
     env.append({"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}, model_mount, {"name": "tmp", "mountPath": "/tmp"}]
-    if kv.tiers.nvme is not None and plan.offload_backend == "native":
+    if _has_janitor(spec, plan):
         mounts.append({"name": "kv-cache", "mountPath": NVME_MOUNT})
     container: Obj = {
         "name": ENGINE_CONTAINER,
@@ -260,7 +265,7 @@ def engine_statefulset(
         pod_spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     if plan.lmcache is not None:
         pod_spec["initContainers"] = [_lmcache_container(spec, plan)]
-    elif kv.tiers.nvme is not None and plan.offload_backend == "native":
+    elif _has_janitor(spec, plan):
         pod_spec["initContainers"] = [_janitor_container(spec, plan)]
     sts_spec: Obj = {
         "replicas": spec.replicas,
@@ -350,6 +355,7 @@ def router_settings(name: str, namespace: str, spec: InferenceClusterSpec, plan:
             engine_port=spec.engine.port,
             kv_events_port=KV_EVENTS_PORT,
             kv_replay_port=KV_REPLAY_PORT,
+            fs_janitor_port=FS_JANITOR_PORT if _has_janitor(spec, plan) else None,
         ),
     )
 

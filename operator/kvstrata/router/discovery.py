@@ -36,7 +36,10 @@ class DiscoveryError(RuntimeError):
 
 
 def static_specs(static: Iterable[StaticEndpoint]) -> list[EndpointSpec]:
-    return [EndpointSpec(s.url.rstrip("/"), s.kv_events, s.kv_replay) for s in static]
+    return [
+        EndpointSpec(s.url.rstrip("/"), s.kv_events, s.kv_replay, s.fs_janitor and s.fs_janitor.rstrip("/"))
+        for s in static
+    ]
 
 
 def _host(ip: str, address_type: str) -> str:
@@ -62,6 +65,7 @@ def slice_endpoints(eps_slice: Mapping[str, Any], disc: Discovery) -> list[Endpo
                     url=f"http://{host}:{disc.engine_port}",
                     kv_events=f"tcp://{host}:{disc.kv_events_port}" if disc.kv_events_port else None,
                     kv_replay=f"tcp://{host}:{disc.kv_replay_port}" if disc.kv_replay_port else None,
+                    fs_janitor=f"http://{host}:{disc.fs_janitor_port}" if disc.fs_janitor_port else None,
                 )
             )
     return out

@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -68,6 +68,8 @@ class LoadScraper:
         self._scrapes: dict[str, asyncio.Task[None]] = {}
         # Called when an endpoint turns unhealthy (the router drops its index entries).
         self.on_down: Callable[[Endpoint], None] | None = None
+        # Run after each scrape of an endpoint, on the same cadence (the fs-janitor's evictions).
+        self.after_scrape: Callable[[Endpoint], Awaitable[None]] | None = None
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="load-scraper")
@@ -98,6 +100,11 @@ class LoadScraper:
             await asyncio.sleep(self.interval)
 
     async def scrape(self, ep: Endpoint) -> None:
+        await self._scrape_load(ep)
+        if self.after_scrape is not None:
+            await self.after_scrape(ep)
+
+    async def _scrape_load(self, ep: Endpoint) -> None:
         try:
             async with self.session.get(ep.url + "/metrics", timeout=self.timeout) as resp:
                 text = await resp.text() if resp.status == 200 else ""

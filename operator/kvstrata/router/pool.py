@@ -9,11 +9,13 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True, slots=True)
 class EndpointSpec:
-    """How to reach one engine: HTTP base URL (its identity), KV-event PUB and replay ROUTER sockets."""
+    """How to reach one engine: HTTP base URL (its identity), KV-event PUB and replay ROUTER sockets, and
+    its fs-janitor's base URL (NVMe tier: the evictions vLLM does not report)."""
 
     url: str
     kv_events: str | None = None
     kv_replay: str | None = None
+    fs_janitor: str | None = None
 
 
 @dataclass(eq=False, slots=True)

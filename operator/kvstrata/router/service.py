@@ -34,6 +34,7 @@ from kvstrata.router.metrics import RouterMetrics
 from kvstrata.router.pool import Endpoint, EndpointSpec
 from kvstrata.router.prompts import LocalTokenizer
 from kvstrata.router.proxy import build_admin_app, build_app
+from kvstrata.router.storage_evictions import StorageEvictions
 from kvstrata.router.subscriber import KvEventSubscriber
 
 log = logging.getLogger("kvstrata.router")
@@ -55,6 +56,7 @@ class RouterService:
         self.session: aiohttp.ClientSession | None = None
         self.router: Router | None = None
         self.scraper: LoadScraper | None = None
+        self.storage: StorageEvictions | None = None
         self.watcher: EndpointSliceWatcher | None = None
         self.app: web.Application | None = None
         self._runner: web.AppRunner | None = None
@@ -98,6 +100,10 @@ class RouterService:
             fail_after=s.ejection_consecutive_failures,
         )
         self.scraper.on_down = self.router.mark_down
+        self.storage = StorageEvictions(
+            self.router.index, self.metrics, self.session, s.scrape_timeout_seconds
+        )
+        self.scraper.after_scrape = self.storage.poll
         disc = s.discovery
         if disc.service:
             namespace = (
@@ -152,6 +158,8 @@ class RouterService:
     def _on_remove(self, ep: Endpoint) -> None:
         log.info("endpoint removed: %s", ep.url)
         self.metrics.forget_endpoint(ep.url)
+        if self.storage is not None:
+            self.storage.forget(ep.url)
         sub = self.subscribers.pop(ep.url, None)
         if sub is not None:
             self._stopping.append(asyncio.create_task(sub.stop()))

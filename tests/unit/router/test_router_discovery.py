@@ -44,6 +44,14 @@ def test_ready_endpoints_become_engine_specs() -> None:
     ]
 
 
+def test_an_nvme_tiers_janitor_is_found_next_to_its_engine() -> None:
+    disc = DISC.model_copy(update={"fs_janitor_port": 9402})
+    (spec,) = slice_endpoints(eps_slice("s", [{"addresses": ["10.0.0.1"]}]), disc)
+    assert spec.fs_janitor == "http://10.0.0.1:9402"
+    (static,) = static_specs([StaticEndpoint(url="http://e:8000/", fs_janitor="http://e:9402/")])
+    assert static == EndpointSpec("http://e:8000", fs_janitor="http://e:9402")
+
+
 def test_ipv6_fqdn_and_empty_slices() -> None:
     v6 = eps_slice("s6", [{"addresses": ["fd00::1"], "conditions": {"ready": True}}], "IPv6")
     assert slice_endpoints(v6, DISC)[0].url == "http://[fd00::1]:8000"
