@@ -1,7 +1,7 @@
 """`make bench-router-tiers`: the router benchmark's workload on the same engines with and without KV tiers.
 
-Two passes in one run, each on freshly started engines (ENGINES tiny-model vLLM CPU engines, the pool that
-`bench.router_bench` sizes for the workload): first with the engine pool only, then with a CPU DRAM tier and
+Two passes in one run, each router in each on freshly started engines (ENGINES tiny-model vLLM CPU
+engines, the pool that `bench.router_bench` sizes for the workload): first with the engine pool only, then with a CPU DRAM tier and
 an NVMe (fs) tier per engine — vLLM's native offloading with kvstrata's CPU-platform copy worker
 (`kvstrata.engine.cpu_offload`), the `--kv-transfer-config` shape the operator renders for `device: cpu`.
 Every router of `--routers` runs every seed in both passes. Hit rates come from the engines' own counters:
@@ -10,7 +10,7 @@ host/disk), each as a share of all queried prompt tokens; TTFT from the client.
 
 Engines share the cores here (no CFS quota as in bench-router's default): both passes alike. The fs tier
 here is unbounded (no janitor: a bench run writes a few hundred MB at most) and lives in
-`<workdir>/kv-cache/engine-<i>`, emptied before the pass.
+`<workdir>/kv-cache/engine-<i>`, emptied before each router's engines start.
 """
 
 from __future__ import annotations
@@ -123,19 +123,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 env=env,
             )
 
-        if tiered:
-            for root in roots:
-                shutil.rmtree(root, ignore_errors=True)
-                root.mkdir(parents=True)
-        started = time.monotonic()
-        engines = start_all([make(i) for i in range(ENGINES)], timeout=900, remake=make)
-        ready_s[config] = round(time.monotonic() - started, 1)
-        print(f"{config}: {ENGINES} engines ready in {ready_s[config]:.0f} s", flush=True)
-        try:
-            workers = [Worker(e.base_url, e.kv_events_endpoint, e.kv_replay_endpoint) for e in engines]
-            cfg = RouterConfig(model=MODEL, tokenizer_dir=model_dir, block_size=args.block_size)
-            with ProcGroup(args.workdir / "logs") as procs:
-                for name in routers:
+        cfg = RouterConfig(model=MODEL, tokenizer_dir=model_dir, block_size=args.block_size)
+        for name in routers:
+            # Fresh engines per router: POST /reset_prefix_cache empties the pool but not the CPU tier
+            # (bench-tier-credit), so a later router would find an earlier one's blocks there.
+            if tiered:
+                for root in roots:
+                    shutil.rmtree(root, ignore_errors=True)
+                    root.mkdir(parents=True)
+            started = time.monotonic()
+            engines = start_all([make(i) for i in range(ENGINES)], timeout=900, remake=make)
+            ready_s[f"{name} [{config}]"] = round(time.monotonic() - started, 1)
+            print(
+                f"{config}: {ENGINES} engines for {name} ready in {time.monotonic() - started:.0f} s",
+                flush=True,
+            )
+            try:
+                workers = [Worker(e.base_url, e.kv_events_endpoint, e.kv_replay_endpoint) for e in engines]
+                with ProcGroup(args.workdir / "logs") as procs:
                     rounds, before = [], _counters(engines)
                     for w in workloads:
                         print(f"- {config}: {name}, seed {w.seed}", flush=True)
@@ -148,8 +153,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     row["tier_hit_rates"] = {t: rates.tier_hit_rates[t] for t in ("gpu", "cpu", "nvme")}
                     row["all_tier_hit_rate"] = rates.hit_rate
                     results.append(row)
-        finally:
-            stop_all(engines)
+            finally:
+                stop_all(engines)
     return {
         "benchmark": "router-tiers",
         "machine": machine(),

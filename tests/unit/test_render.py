@@ -85,6 +85,21 @@ def test_router_config_is_valid_settings_matching_the_engines() -> None:
     assert settings.tokenizer == "/models/tiny-llama"
     assert settings.model == "tiny"
     assert settings.discovery.fs_janitor_port is None  # no NVMe tier, no janitor
+    # device cpu: the tier credit measured on CPUs (bench-tier-credit), not the accelerator default.
+    assert (settings.tier_weights.cpu, settings.tier_weights.storage) == (0.99, 0.98)
+
+
+def test_tier_weights_set_in_the_cluster_reach_the_router() -> None:
+    doc = with_changes(example("tiny-cpu.yaml"), {"spec.router.tierWeights": {"nvme": 0.3}})
+    objs, _ = objects(doc)
+    settings = RouterSettings.model_validate(
+        json.loads(objs[("ConfigMap", "tiny-router")]["data"]["router.json"])
+    )
+    assert (settings.tier_weights.gpu, settings.tier_weights.cpu, settings.tier_weights.storage) == (
+        1.0,
+        0.99,
+        0.3,
+    )
 
 
 def test_router_fetches_evictions_from_the_janitor_on_the_port_the_pod_serves_it() -> None:

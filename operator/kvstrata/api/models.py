@@ -321,6 +321,25 @@ class RouterWeights(Wire):
     )
 
 
+class RouterTierWeights(Wire):
+    """Credit for a cached block by the tier that holds it: the share of its prefill a hit there saves."""
+
+    gpu: float | None = Field(None, ge=0, le=1, description="Engine KV pool hit; default 1")
+    cpu: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="CPU DRAM tier hit; default 0.99 for device cpu (measured), 0.8 for gpu (assumed: "
+        "measure with make bench-tier-credit)",
+    )
+    nvme: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="NVMe (fs) tier hit; default 0.98 for device cpu (measured), 0.5 for gpu (assumed)",
+    )
+
+
 class RouterTimeouts(Wire):
     """The router's deadlines toward engines (docs/router.md, "Timeouts and ejection")."""
 
@@ -359,6 +378,7 @@ class RouterSpec(Wire):
     replicas: int = Field(1, ge=0, le=64)
     policy: RoutingPolicy = Field(DEFAULT_POLICY)
     weights: RouterWeights = Field(default_factory=RouterWeights)
+    tier_weights: RouterTierWeights = Field(default_factory=RouterTierWeights)
     image: str = Field("ghcr.io/kvstrata/router:0.1.0", min_length=1, max_length=512)
     port: int = Field(ROUTER_PORT, ge=1, le=65535)
     timeouts: RouterTimeouts = Field(default_factory=RouterTimeouts)

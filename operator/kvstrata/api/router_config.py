@@ -56,10 +56,18 @@ WEIGHT_HISTORY: Final = 0.5
 WEIGHT_FIT: Final = 0.5
 WEIGHT_RECENT: Final = 0.3
 QUEUE_WEIGHT: Final = 0.25
-# Tier credit defaults: share of a block's prefill a hit in that tier saves.
+# Tier credit: the share of a block's prefill a hit on that tier saves (TierWeights). On accelerators it
+# depends on the model and the links (a prefill on a GPU is fast, so a copy from host DRAM or a read from
+# NVMe saves a smaller share): assumed, not measured here (no GPU on the project's machines); set it per
+# cluster (spec.router.tierWeights) from `make bench-tier-credit` on the cluster's hardware.
 TIER_GPU: Final = 1.0
 TIER_CPU: Final = 0.8
 TIER_STORAGE: Final = 0.5
+# device cpu: measured (`make bench-tier-credit`, 2026-11-24: tiny model, 1,024-token prompts, 8 rounds,
+# cold 4.4 s, pool 25 ms, CPU tier 84 ms, fs tier 109 ms): a CPU-tier hit saved 0.98-0.99 of the prefill,
+# an fs-tier hit 0.98. A prefill on a CPU is slow; a copy from DRAM or a file read is not.
+TIER_CPU_ON_CPU: Final = 0.99
+TIER_STORAGE_ON_CPU: Final = 0.98
 
 
 class _Wire(BaseModel):
@@ -135,6 +143,14 @@ class TierWeights(_Wire):
     gpu: float = Field(TIER_GPU, ge=0, alias="GPU")
     cpu: float = Field(TIER_CPU, ge=0, alias="CPU")
     storage: float = Field(TIER_STORAGE, ge=0, alias="STORAGE")
+
+
+def default_tier_weights(device: Literal["gpu", "cpu"]) -> TierWeights:
+    """The tier credit for engines on ``device`` when the cluster sets none: measured on CPUs, assumed
+    on GPUs (see TIER_*)."""
+    if device == "cpu":
+        return TierWeights(gpu=TIER_GPU, cpu=TIER_CPU_ON_CPU, storage=TIER_STORAGE_ON_CPU)
+    return TierWeights()
 
 
 class RouterSettings(_Wire):

@@ -22,7 +22,9 @@ from kvstrata.api.router_config import (
     LABEL_PART_OF,
     Discovery,
     RouterSettings,
+    TierWeights,
     Weights,
+    default_tier_weights,
 )
 from kvstrata.planner.constants import (
     HF_HOME,
@@ -342,6 +344,7 @@ def router_settings(name: str, namespace: str, spec: InferenceClusterSpec, plan:
         policy=spec.router.policy,
         weights=Weights(prefill=w.prefill, prefix=w.prefix, load=w.load, kv_usage=w.kv_usage),
         queue_weight=w.queue,
+        tier_weights=_tier_weights(spec),
         connect_timeout_seconds=spec.router.timeouts.connect_seconds,
         first_byte_timeout_seconds=spec.router.timeouts.first_byte_seconds,
         stream_idle_timeout_seconds=spec.router.timeouts.stream_idle_seconds,
@@ -357,6 +360,16 @@ def router_settings(name: str, namespace: str, spec: InferenceClusterSpec, plan:
             kv_replay_port=KV_REPLAY_PORT,
             fs_janitor_port=FS_JANITOR_PORT if _has_janitor(spec, plan) else None,
         ),
+    )
+
+
+def _tier_weights(spec: InferenceClusterSpec) -> TierWeights:
+    """The cluster's tier credit: what it sets, else the default for its engines' device."""
+    default, given = default_tier_weights(spec.engine.device), spec.router.tier_weights
+    return TierWeights(
+        gpu=default.gpu if given.gpu is None else given.gpu,
+        cpu=default.cpu if given.cpu is None else given.cpu,
+        storage=default.storage if given.nvme is None else given.nvme,
     )
 
 
