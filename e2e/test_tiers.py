@@ -187,8 +187,13 @@ def test_three_tiers_hit_status_agrees_and_nvme_stays_in_budget(tiered_stack: St
     # vLLM never reports an fs block gone; the router learned the janitor's evictions from the janitors
     # (one block per file here; the last pass may not have been fetched yet).
     removed = _metric(router, "kvstrata_router_kv_event_blocks_total", type="BlockRemoved", medium="STORAGE")
-    print(f"router: STORAGE blocks removed {removed:.0f} of {evicted_files:.0f} files the janitors evicted")
+    held = _metric(router, "kvstrata_router_fs_evictions_held_total")
+    print(
+        f"router: STORAGE blocks removed {removed:.0f} of {evicted_files:.0f} files the janitors evicted; "
+        f"{held:.0f} of them were in the index (file names and events agree on the hash)"
+    )
     assert 0 < removed <= evicted_files
+    assert held > 0.5 * removed
 
 
 REGION = re.compile(r"Created mmap file (/dev/shm/vllm_offload_\S+\.mmap)")

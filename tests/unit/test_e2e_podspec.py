@@ -134,6 +134,12 @@ def test_static_discovery_replaces_the_service() -> None:
     from kvstrata.api.router_config import RouterSettings
 
     RouterSettings.model_validate(cfg)  # still a valid router.json
+    assert disc["static"][0]["fsJanitor"] is None  # no NVMe tier
+    tiered = rendered("ConfigMap", "tiny-tiered-router", "tiny-cpu-tiered.yaml")
+    (engine,) = static_discovery(json.loads(tiered["data"]["router.json"]), ["127.10.1.2"])["discovery"][
+        "static"
+    ]
+    assert engine["fsJanitor"] == "http://127.10.1.2:9402"
 
 
 def test_readiness_patch_shapes() -> None:

@@ -274,12 +274,14 @@ def static_discovery(router_json: Mapping[str, Any], engine_ips: list[str]) -> d
     port = int(disc.get("enginePort", 8000))
     events = disc.get("kvEventsPort")
     replay = disc.get("kvReplayPort")
+    janitor = disc.get("fsJanitorPort")
     disc.pop("service", None)
     disc["static"] = [
         {
             "url": f"http://{ip}:{port}",
             "kvEvents": f"tcp://{ip}:{events}" if events else None,
             "kvReplay": f"tcp://{ip}:{replay}" if replay and events else None,
+            "fsJanitor": f"http://{ip}:{janitor}" if janitor else None,
         }
         for ip in sorted(engine_ips)
     ]

@@ -93,7 +93,7 @@ class PrefixMatch(NamedTuple):
 class PrefixIndex(Protocol):
     def lookup(self, hashes: Sequence[int]) -> dict[str, PrefixMatch]: ...
     def history(self, hashes: Sequence[int]) -> dict[str, int]: ...
-    def apply(self, endpoint: str, event: KVEvent) -> None: ...
+    def apply(self, endpoint: str, event: KVEvent) -> int: ...
     def predict(self, endpoint: str, hashes: Sequence[int], ttl: float) -> Prediction | None: ...
     def drop_endpoint(self, endpoint: str) -> None: ...
     def __len__(self) -> int: ...
@@ -189,7 +189,9 @@ class BlockIndex:
         return entry is not None and bool(int(entry[0]) & REAL)
 
     # --- writes ----------------------------------------------------------------------------------
-    def apply(self, endpoint: str, event: KVEvent) -> None:
+    def apply(self, endpoint: str, event: KVEvent) -> int:
+        """Apply one engine event; returns how many of a BlockRemoved's blocks the index held on that
+        medium (0 for other events): a removal that matches nothing points at a hash mismatch."""
         if isinstance(event, BlockStored):
             bit = _MEDIUM_BIT.get(event.medium, GPU)
             blocks = self._blocks(endpoint)
@@ -211,12 +213,14 @@ class BlockIndex:
         elif isinstance(event, BlockRemoved):
             held = self._eps.get(endpoint)
             if held is None:
-                return
+                return 0
             bit = _MEDIUM_BIT.get(event.medium, GPU)
+            matched = 0
             for h in event.block_hashes:
                 entry = held.get(h)
                 if entry is None:
                     continue
+                matched += bool(int(entry[0]) & bit)
                 mask = int(entry[0]) & ~bit & REAL
                 if mask:
                     entry[0] = mask
@@ -225,9 +229,11 @@ class BlockIndex:
                     del held[h]
                     self._size -= 1
                     self._remember(endpoint, h)
+            return matched
         elif isinstance(event, AllBlocksCleared):
             self._clear(endpoint)
             self._forget(endpoint)
+        return 0
 
     def predict(
         self, endpoint: str, hashes: Sequence[int], ttl: float, touched: int = 0

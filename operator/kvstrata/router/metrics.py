@@ -94,6 +94,12 @@ class RouterMetrics:
             ["endpoint", "type", "medium"],
             registry=r,
         )
+        self.fs_evictions_held = Counter(
+            f"{p}_fs_evictions_held",
+            "Block files an engine's fs-janitor evicted that the index held on STORAGE (then dropped)",
+            ["endpoint"],
+            registry=r,
+        )
         self.kv_event_lag = Gauge(
             f"{p}_kv_event_lag_seconds",
             "Age of the last KV event batch when applied",

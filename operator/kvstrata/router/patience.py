@@ -3,11 +3,11 @@
 A first-byte timeout moves a request to the next-best engine. On the last engine it may try there is
 nowhere to move it, and failing it would turn a busy engine (a long queue, a slow machine) into a
 lost request. "Last" includes a try after which only engines that are ejected or silent (not heard
-from within a first-byte period: wedged, not yet ejected) are left: moving on would only reach those. So past each first-byte timeout the last try waits one period more, as long as its
-engine was heard from within the period just gone (a scrape answered, or any request's stream
-moving: busy, not wedged), up to the whole-request ``upstreamTimeoutSeconds``. A wedged engine says
-nothing and is let go at its first-byte timeout as before; ejection cuts the wait sooner
-(router/outlier.py).
+from within a first-byte period: wedged, not yet ejected) are left: moving on would only reach those.
+So past each first-byte timeout the last try waits one period more, as long as its engine was heard
+from within the period just gone (a scrape answered, or any request's stream moving: busy, not
+wedged), up to the whole-request ``upstreamTimeoutSeconds``. A wedged engine says nothing and is let
+go at its first-byte timeout as before; ejection cuts the wait sooner (router/outlier.py).
 
 Seen in CI: with one of three engines SIGSTOPped and the other two slow on a loaded machine, a
 stream's last try timed out on a healthy engine and the client got a 502. Seen in CI again with

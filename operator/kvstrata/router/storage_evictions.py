@@ -6,7 +6,10 @@ budget. Without this the index would keep crediting every block the janitor dele
 dropped it, and send prompts to an engine that then recomputes them. So, for each engine with a janitor,
 each scrape also fetches the hashes evicted since the last one and applies them as the event vLLM would
 have sent, ``BlockRemoved(medium="STORAGE")``, counted with the engines' own events in
-``kvstrata_router_kv_event_blocks_total{type="BlockRemoved",medium="STORAGE"}``.
+``kvstrata_router_kv_event_blocks_total{type="BlockRemoved",medium="STORAGE"}``; how many of them the
+index held on STORAGE is ``kvstrata_router_fs_evictions_held_total`` (far fewer would mean the janitor's
+file-name hashes and the events' hashes disagree, e.g. an offloaded chunk of several blocks, whose file is
+named by its last block only).
 
 Order: a block the janitor evicted and vLLM wrote again before the next poll loses its STORAGE entry too
 (an under-credit until its next store event); at one poll per scrape interval, rare.
@@ -95,5 +98,6 @@ class StorageEvictions:
         if got.missed:
             log.info("fs-janitor %s: evictions dropped from its log before they were read", base)
         if got.hashes:
-            self.index.apply(ep.url, BlockRemoved(got.hashes, "STORAGE"))
+            held = self.index.apply(ep.url, BlockRemoved(got.hashes, "STORAGE"))
             self.metrics.kv_event_blocks.labels(ep.url, "BlockRemoved", "STORAGE").inc(len(got.hashes))
+            self.metrics.fs_evictions_held.labels(ep.url).inc(held)

@@ -85,6 +85,8 @@ async def test_evicted_block_files_leave_the_index(janitor: Janitor) -> None:
         {"endpoint": ENGINE, "type": "BlockRemoved", "medium": "STORAGE"},
     )
     assert sample == 2
+    held = metrics.registry.get_sample_value("kvstrata_router_fs_evictions_held_total", {"endpoint": ENGINE})
+    assert held == 2
 
 
 async def test_a_janitor_that_does_not_answer_changes_nothing() -> None:
