@@ -326,6 +326,62 @@ def test_infeasible_spec_that_bypassed_the_webhook_creates_nothing(operator_env:
     env.lc.kubectl("delete", "ic", "too-big", "-n", env.ns, "--wait=true")
 
 
+def _monitor_crd(plural: str, kind: str) -> dict[str, Any]:
+    """The Prometheus Operator's CRD reduced to its name and kind: enough for the API server to serve it."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.monitoring.coreos.com"},
+        "spec": {
+            "group": "monitoring.coreos.com",
+            "scope": "Namespaced",
+            "names": {"plural": plural, "singular": kind.lower(), "kind": kind, "listKind": f"{kind}List"},
+            "versions": [
+                {
+                    "name": "v1",
+                    "served": True,
+                    "storage": True,
+                    "schema": {
+                        "openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+                    },
+                }
+            ],
+        },
+    }
+
+
+def test_with_the_prometheus_operator_crds_each_cluster_gets_its_monitors(operator_env: OperatorEnv) -> None:
+    """Installed after the operator started: picked up within its discovery cache's life, and applied
+    with the chart's RBAC (a ServiceMonitor for engines and router; a PodMonitor for an NVMe tier's janitor)."""
+    env = operator_env
+    crds = [_monitor_crd("servicemonitors", "ServiceMonitor"), _monitor_crd("podmonitors", "PodMonitor")]
+    names = [f"crd/{c['metadata']['name']}" for c in crds]
+    env.lc.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(crds))
+    try:
+        env.lc.kubectl("wait", "--for=condition=Established", *names, "--timeout=60s")
+        doc = copy.deepcopy(example("tiny-cpu-tiered.yaml"))
+        doc["metadata"]["name"] = "monitored"
+        env.apply(doc)
+        env.lc.wait_for(
+            "ServiceMonitor and PodMonitor applied",
+            lambda: env.get("servicemonitor", "monitored") and env.get("podmonitor", "monitored-fs-janitor"),
+            timeout=60,
+        )
+        uid = env.ic("monitored")["metadata"]["uid"]
+        for kind, name in (("servicemonitor", "monitored"), ("podmonitor", "monitored-fs-janitor")):
+            obj = env.get(kind, name)
+            assert obj is not None and obj["metadata"]["ownerReferences"][0]["uid"] == uid, (kind, obj)
+        assert (
+            env.get("podmonitor", "monitored-fs-janitor")["spec"]["podMetricsEndpoints"][0]["port"]
+            == "fs-janitor"
+        )  # type: ignore[index]
+    finally:
+        env.lc.kubectl(
+            "delete", "ic", "monitored", "-n", env.ns, "--ignore-not-found", "--wait=true", timeout=60
+        )
+        env.lc.kubectl("delete", *names, "--ignore-not-found", timeout=60)
+
+
 def test_deleting_the_cluster_leaves_nothing_behind(operator_env: OperatorEnv) -> None:
     env = operator_env
     for name in ("tiny", "llama-8b", "llama-70b-local"):

@@ -40,6 +40,7 @@ RESOURCES: dict[tuple[str, str], tuple[str, str, bool]] = {
         "servicemonitors",
         True,
     ),
+    ("monitoring.coreos.com/v1", "PodMonitor"): ("/apis/monitoring.coreos.com/v1", "podmonitors", True),
 }
 
 APPLY = "application/apply-patch+yaml"
@@ -247,6 +248,17 @@ class Kube:
             "items", []
         )
         return items
+
+    def serves(self, api_version: str, kind: str) -> bool:
+        """Whether the API server serves ``kind`` (discovery; e.g. an optional CRD is installed)."""
+        prefix, plural, _ = RESOURCES[(api_version, kind)]
+        try:
+            listing = self.request("GET", prefix)
+        except KubeError as err:
+            if err.not_found:
+                return False
+            raise
+        return any(r.get("name") == plural for r in listing.get("resources", []))
 
     def apply(self, obj: Obj, manager: str, force: bool = True) -> Obj:
         """Server-side apply: the object is the complete set of fields `manager` owns."""

@@ -21,7 +21,7 @@ from kvstrata.controller.status import PlanRecord
 from kvstrata.controller.statussync import StatusSync
 from kvstrata.controller.store import Store
 from kvstrata.controller.validation import Verdict, check
-from kvstrata.render import engine_name, engine_selector, render, selector_string
+from kvstrata.render import engine_name, engine_selector, monitors, render, selector_string
 
 Obj = dict[str, Any]
 # (body, type, reason, message): posts a Kubernetes Event about the InferenceCluster.
@@ -106,11 +106,20 @@ def classify(err: KubeError, what: str) -> Exception:
 
 
 class Reconciler:
-    def __init__(self, applier: Applier, store: Store, sync: StatusSync, emit: EmitFn) -> None:
+    def __init__(
+        self,
+        applier: Applier,
+        store: Store,
+        sync: StatusSync,
+        emit: EmitFn,
+        monitoring: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.applier = applier
         self.store = store
         self.sync = sync
         self.emit = emit
+        # Whether the Prometheus Operator's CRDs are served: then each cluster gets its monitors.
+        self.monitoring = monitoring
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._locks_guard = threading.Lock()
 
@@ -158,6 +167,8 @@ class Reconciler:
             return Outcome("infeasible", record)
         assert verdict.spec is not None and verdict.plan is not None
         objects = render(meta["name"], meta["namespace"], verdict.spec, verdict.plan, uid=meta["uid"])
+        if self.monitoring():
+            objects += monitors(meta["name"], meta["namespace"], verdict.spec, verdict.plan, meta["uid"])
         try:
             result = self.applier.apply_all(objects)
         except KubeError as err:

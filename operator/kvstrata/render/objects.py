@@ -205,7 +205,7 @@ def _janitor_container(spec: InferenceClusterSpec, plan: Plan) -> Obj:
         ],
         "env": [{"name": "PYTHONPATH", "value": ENGINE_PYTHONPATH}],
         "restartPolicy": "Always",
-        "ports": [{"name": "fs-janitor", "containerPort": FS_JANITOR_PORT}],
+        "ports": [{"name": JANITOR_CONTAINER, "containerPort": FS_JANITOR_PORT}],
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "256Mi"}},
         "securityContext": _security_context(),
         "volumeMounts": [{"name": "kv-cache", "mountPath": NVME_MOUNT}],
@@ -476,10 +476,14 @@ def router_service(name: str, namespace: str, spec: InferenceClusterSpec, uid: s
     }
 
 
+MONITORING_API = "monitoring.coreos.com/v1"
+
+
 def service_monitor(name: str, namespace: str, uid: str | None) -> Obj:
-    """Optional (needs the Prometheus Operator CRDs): scrape engines and router."""
+    """Scrape engines and router (their Services' `http` ports): the hit-rate and KV-usage alerts of the
+    chart's PrometheusRule read these series."""
     return {
-        "apiVersion": "monitoring.coreos.com/v1",
+        "apiVersion": MONITORING_API,
         "kind": "ServiceMonitor",
         "metadata": _meta(name, namespace, name, "metrics", uid),
         "spec": {
@@ -487,6 +491,28 @@ def service_monitor(name: str, namespace: str, uid: str | None) -> Obj:
             "endpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}],
         },
     }
+
+
+def janitor_pod_monitor(name: str, namespace: str, uid: str | None) -> Obj:
+    """Scrape each engine pod's fs-janitor (NVMe tier bytes used and evicted). A PodMonitor: the
+    janitor's port is the pod's, not the engine Service's."""
+    return {
+        "apiVersion": MONITORING_API,
+        "kind": "PodMonitor",
+        "metadata": _meta(f"{name}-fs-janitor", namespace, name, "metrics", uid),
+        "spec": {
+            "selector": {"matchLabels": engine_selector(name)},
+            "podMetricsEndpoints": [{"port": JANITOR_CONTAINER, "path": "/metrics", "interval": "15s"}],
+        },
+    }
+
+
+def monitors(name: str, namespace: str, spec: InferenceClusterSpec, plan: Plan, uid: str | None) -> list[Obj]:
+    """The Prometheus Operator objects of a cluster: applied only where its CRDs are served."""
+    out = [service_monitor(name, namespace, uid)]
+    if _has_janitor(spec, plan):
+        out.append(janitor_pod_monitor(name, namespace, uid))
+    return out
 
 
 def render(

@@ -17,7 +17,7 @@ IC = "InferenceCluster"
 
 
 class Rig:
-    def __init__(self) -> None:
+    def __init__(self, monitoring: bool = False) -> None:
         self.kube = FakeKube()
         self.store = Store()
         self.sync = StatusSync(self.kube, self.store, now=lambda: "T")  # type: ignore[arg-type]
@@ -27,6 +27,7 @@ class Rig:
             self.store,
             self.sync,
             lambda body, t, r, m: self.events.append((t, r, m)),
+            monitoring=lambda: monitoring,
         )
 
     def create(self, body: dict) -> dict:
@@ -69,6 +70,25 @@ def test_feasible_spec_applies_every_child_in_order_and_writes_status() -> None:
     assert rig.conds("tiny")["Planned"]["status"] == "True"
     assert rig.conds("tiny")["Ready"]["status"] == "False"  # no pods yet
     assert rig.events == []
+
+
+def test_with_the_prometheus_operator_each_cluster_gets_its_monitors() -> None:
+    rig = Rig(monitoring=True)
+    rig.reconciler.reconcile(rig.create(example("tiny-cpu.yaml")))
+    assert applied_kinds(rig.kube)[-1:] == ["ServiceMonitor"]
+    sm = rig.kube.objects[("ServiceMonitor", "ns", "tiny")]
+    assert sm["spec"]["endpoints"][0]["port"] == "http"
+    # An NVMe tier's janitor is scraped per pod, on the port its native sidecar declares.
+    rig = Rig(monitoring=True)
+    rig.reconciler.reconcile(rig.create(example("tiny-cpu-tiered.yaml")))
+    assert applied_kinds(rig.kube)[-2:] == ["ServiceMonitor", "PodMonitor"]
+    pm = rig.kube.objects[("PodMonitor", "ns", "tiny-tiered-fs-janitor")]
+    sts = rig.kube.objects[("StatefulSet", "ns", "tiny-tiered-engine")]
+    (janitor,) = sts["spec"]["template"]["spec"]["initContainers"]
+    assert pm["spec"]["podMetricsEndpoints"][0]["port"] == janitor["ports"][0]["name"]
+    assert (
+        pm["spec"]["selector"]["matchLabels"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
+    )
 
 
 def test_infeasible_spec_creates_nothing_and_says_why() -> None:
