@@ -541,7 +541,11 @@ async def test_a_wedged_engine_is_ejected_and_comes_back(stack: Stack) -> None:
     lost = [(r["wait"] - r["upstream_s"], r["attempts"]) for r in during]
     over = sorted(lost, key=lambda tn: tn[0] - (tn[1] - 1) * FIRST_BYTE_S)
     assert all(t <= (n - 1) * FIRST_BYTE_S + SLACK_S for t, n in lost), over[-5:]
-    assert any(n > 1 for _, n in lost), "no request was retried off the stopped engine"
+    # Failover was exercised: requests waiting on the engine when it stopped (sent before, no first
+    # byte yet), or sent to it before it was ejected, were retried elsewhere. Which of the two happens
+    # depends on timing (on a loaded machine the ejection can come before any new request picks it).
+    retried = [r for r in results if r["done"] and r.get("attempts", 0) > 1]
+    assert retried, "no request was retried off the stopped engine"
     slowest = max(t for t, _ in lost)
     # Before the stop: only streams that had started on the victim may fail (cut by the idle timeout).
     for r in results:
@@ -566,7 +570,8 @@ async def test_a_wedged_engine_is_ejected_and_comes_back(stack: Stack) -> None:
     await _wait_state(stack, stack.router_url, victim_url, False, 120)
     print(
         f"\n[router-engines] wedge: SIGSTOP {victim_url} during {len(results)} requests; {len(during)} sent "
-        f"while stopped, {sum(r['attempts'] > 1 for r in during)} retried ({sum(r['attempts'] > 2 for r in during)} twice); at "
+        f"while stopped, {sum(r['attempts'] > 1 for r in during)} of them retried ({sum(r['attempts'] > 2 for r in during)} twice), "
+        f"{len(retried)} retried in all; at "
         f"most {slowest:.1f}s lost to failover "
         f"(first-byte timeout {FIRST_BYTE_S:g}s), slowest wait {max(r['wait'] for r in during):.1f}s; ejected for "
         f"{ejected['ejectionReason']}; back {returned_after:.1f}s after SIGCONT; hit rate after "
