@@ -24,7 +24,7 @@ from kvstrata.api.router_config import LABEL_MANAGED_BY
 from kvstrata.controller import cache_status, metrics, webhook
 from kvstrata.controller.apply import Applier
 from kvstrata.controller.kube import Kube, KubeError
-from kvstrata.controller.optional_apis import monitoring
+from kvstrata.controller.optional_apis import ServedKinds
 from kvstrata.controller.reconcile import Fatal, Reconciler, Retry
 from kvstrata.controller.settings import OperatorConfig
 from kvstrata.controller.statussync import StatusSync
@@ -88,7 +88,7 @@ def _object(event: kopf.RawEvent) -> dict[str, Any]:
 def build_runtime(config: OperatorConfig, kube: Kube) -> Runtime:
     store = Store()
     sync = StatusSync(kube, store, min_interval=config.status_min_interval)
-    reconciler = Reconciler(Applier(kube), store, sync, _emit, monitoring=monitoring(kube))
+    reconciler = Reconciler(Applier(kube), store, sync, _emit, served=ServedKinds(kube))
     return Runtime(config, kube, store, sync, reconciler, tasks=[])
 
 

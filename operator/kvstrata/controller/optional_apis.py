@@ -10,47 +10,35 @@ import time
 from collections.abc import Callable
 
 from kvstrata.controller.kube import Kube, KubeError
-from kvstrata.render.objects import MONITORING_API
 
 log = logging.getLogger("kvstrata.operator")
 
 
-class ServedApi:
-    """``bool(self())``: whether ``kind`` of ``api_version`` is served, at most ``ttl`` seconds old."""
+class ServedKinds:
+    """``served(api_version, kind)``: whether the API server serves that kind, an answer at most ``ttl``
+    seconds old per kind."""
 
-    def __init__(
-        self,
-        kube: Kube,
-        api_version: str,
-        kind: str,
-        ttl: float = 60.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, kube: Kube, ttl: float = 15.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.kube = kube
-        self.api_version = api_version
-        self.kind = kind
         self.ttl = ttl
         self.clock = clock
-        self._known: tuple[float, bool] | None = None
+        self._known: dict[tuple[str, str], tuple[float, bool]] = {}
         self._lock = threading.Lock()
 
-    def __call__(self) -> bool:
+    def __call__(self, api_version: str, kind: str) -> bool:
+        key = (api_version, kind)
         with self._lock:
             now = self.clock()
-            if self._known is not None and now - self._known[0] < self.ttl:
-                return self._known[1]
+            known = self._known.get(key)
+            if known is not None and now - known[0] < self.ttl:
+                return known[1]
             try:
-                served = self.kube.serves(self.api_version, self.kind)
+                served = self.kube.serves(api_version, kind)
             except KubeError as err:
                 # Unknown: keep the last answer (none: assume not served) and ask again next time.
-                log.warning("could not tell whether %s %s is served: %s", self.api_version, self.kind, err)
-                return self._known[1] if self._known is not None else False
-            if self._known is None or self._known[1] != served:
-                log.info("%s %s %s served", self.api_version, self.kind, "is" if served else "is not")
-            self._known = (now, served)
+                log.warning("could not tell whether %s %s is served: %s", api_version, kind, err)
+                return known[1] if known is not None else False
+            if known is None or known[1] != served:
+                log.info("%s %s %s served", api_version, kind, "is" if served else "is not")
+            self._known[key] = (now, served)
             return served
-
-
-def monitoring(kube: Kube) -> ServedApi:
-    """The Prometheus Operator's ServiceMonitor (its PodMonitor comes with the same CRD bundle)."""
-    return ServedApi(kube, MONITORING_API, "ServiceMonitor", ttl=15.0)

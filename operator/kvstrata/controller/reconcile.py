@@ -112,14 +112,14 @@ class Reconciler:
         store: Store,
         sync: StatusSync,
         emit: EmitFn,
-        monitoring: Callable[[], bool] = lambda: False,
+        served: Callable[[str, str], bool] = lambda api_version, kind: False,
     ) -> None:
         self.applier = applier
         self.store = store
         self.sync = sync
         self.emit = emit
-        # Whether the Prometheus Operator's CRDs are served: then each cluster gets its monitors.
-        self.monitoring = monitoring
+        # Whether an optional kind is served (the Prometheus Operator's monitors): applied only then.
+        self.served = served
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._locks_guard = threading.Lock()
 
@@ -167,8 +167,8 @@ class Reconciler:
             return Outcome("infeasible", record)
         assert verdict.spec is not None and verdict.plan is not None
         objects = render(meta["name"], meta["namespace"], verdict.spec, verdict.plan, uid=meta["uid"])
-        if self.monitoring():
-            objects += monitors(meta["name"], meta["namespace"], verdict.spec, verdict.plan, meta["uid"])
+        optional = monitors(meta["name"], meta["namespace"], verdict.spec, verdict.plan, meta["uid"])
+        objects += [o for o in optional if self.served(o["apiVersion"], o["kind"])]
         try:
             result = self.applier.apply_all(objects)
         except KubeError as err:

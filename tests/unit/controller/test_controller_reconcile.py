@@ -27,7 +27,7 @@ class Rig:
             self.store,
             self.sync,
             lambda body, t, r, m: self.events.append((t, r, m)),
-            monitoring=lambda: monitoring,
+            served=lambda api_version, kind: monitoring,
         )
 
     def create(self, body: dict) -> dict:
