@@ -39,6 +39,8 @@ from bench.report import fmt, machine, table
 from bench.tiers_bench import tier_args
 from kvstrata.controller.hitrate import Counters
 from kvstrata.controller.promtext import parse_engine
+from kvstrata.planner.arch import architecture_from_hf_config
+from kvstrata.planner.kv import kv_bytes_per_token
 
 MODEL = "tiny"
 TIERS = ("gpu", "cpu", "nvme")
@@ -102,9 +104,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if p_blocks < 2 or args.pool_blocks < 2 * p_blocks + 2:
         raise BenchError("--pool-blocks must hold two prompts of --prompt-tokens")
     # Fillers: enough blocks to push P out of the pool (and then the CPU tier), in prompts of P's size.
-    block_bytes = (
-        2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"] * 2 * bs
-    )
+    block_bytes = kv_bytes_per_token(architecture_from_hf_config(config)) * bs
     cpu_blocks = (args.cpu_tier_mib << 20) // block_bytes
     fill_pool = -(-(args.pool_blocks + p_blocks) // p_blocks)
     fill_cpu = -(-(args.pool_blocks + cpu_blocks + p_blocks) // p_blocks)

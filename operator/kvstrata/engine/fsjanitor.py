@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import threading
@@ -175,7 +176,7 @@ class EvictionLog:
         with self._lock:
             first = self._next - len(self._hashes)
             start = min(max(after, first), self._next) if after >= 0 else first
-            hashes = list(self._hashes)[start - first :]
+            hashes = list(itertools.islice(self._hashes, start - first, None))
             return {
                 "epoch": self.epoch,
                 "next": self._next,

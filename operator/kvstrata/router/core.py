@@ -380,11 +380,15 @@ class Router:
         live = [ep for ep in left if not self.outlier.ejected(ep)]
         if decision.request is None or len(live) < 2:
             return live
-        ranked, dropped = self._rank(replace(decision.request, now=time.monotonic()), live)
+        now = time.monotonic()
+        ranked, dropped = self._rank(replace(decision.request, now=now), live)
         order = [r.endpoint for r in ranked] + dropped
-        period, now = self.settings.first_byte_timeout_seconds, time.monotonic()
-        heard = [ep for ep in order if ep.heard_within(period, now)]
-        return heard + [ep for ep in order if ep not in heard] if heard else order
+        return sorted(order, key=lambda ep: not self.heard(ep, now))  # stable: rank within each group
+
+    def heard(self, ep: Endpoint, now: float) -> bool:
+        """Heard from within a first-byte period (a scrape answered, a stream moving); else *silent*:
+        likely wedged, not yet ejected. Retries try it last and patience treats it as gone."""
+        return ep.heard_within(self.settings.first_byte_timeout_seconds, now)
 
     def _reason(
         self,

@@ -236,9 +236,9 @@ class Proxy:
         }
 
     def _any_live(self, eps: list[Endpoint]) -> bool:
-        """Whether any of ``eps`` is in rotation and was heard from within a first-byte period."""
-        period, now = self.settings.first_byte_timeout_seconds, time.monotonic()
-        return any(ep.heard_within(period, now) and not self.outlier.ejected(ep) for ep in eps)
+        """Whether any of ``eps`` is in rotation and not silent (Router.heard)."""
+        now = time.monotonic()
+        return any(self.router.heard(ep, now) and not self.outlier.ejected(ep) for ep in eps)
 
     async def _attempt(self, call: _Call, ep: Endpoint, is_last: bool, patient: bool) -> AttemptResult:
         """One try on ``ep``: :class:`Answered` (the client has its response) or :class:`Failed`
