@@ -166,7 +166,10 @@ class OutlierDetector:
         if self.max_percent >= 100:
             return True
         n = self.pool_size()
-        out = sum(1 for url, st in self._states.items() if url != ep.url and st.until > now)
+        # An ejection whose time is up counts until it is re-admitted (``ejected`` clears ``until``) or
+        # re-ejected: else, in that gap, a healthy engine's slow answer took the wedged one's room (seen
+        # in CI: the wedged engine then went out again too, and both were out at once).
+        out = sum(1 for url, st in self._states.items() if url != ep.url and st.until)
         return out + 1 <= max(1, math.floor(n * self.max_percent / 100))
 
     def _eject(self, ep: Endpoint, st: EjectionState, kind: FailureKind, now: float) -> None:

@@ -335,6 +335,25 @@ def test_ejection_backs_off_probes_back_and_decays() -> None:
     assert det.ejected(ep) and det.remaining(ep) == 20
 
 
+def test_an_ejection_whose_time_is_up_keeps_its_room_until_it_is_readmitted() -> None:
+    """Between the end of an ejection and the check that re-admits or re-ejects the engine, a healthy
+    engine's slow answer must not take the room (seen in CI: both ended up out at once)."""
+    now = [100.0]
+    det = OutlierDetector(
+        RouterSettings(model=MODEL, ejection_consecutive_failures=1, ejection_base_seconds=5),
+        pool_size=lambda: 3,
+        clock=lambda: now[0],
+    )
+    wedged, slow = Endpoint(EndpointSpec("http://w")), Endpoint(EndpointSpec("http://s"))
+    det.failure(wedged, FailureKind.FIRST_BYTE_TIMEOUT)
+    now[0] = 106.0  # its 5 s are up; nobody has looked at it yet
+    det.failure(slow, FailureKind.FIRST_BYTE_TIMEOUT)
+    assert not det.ejected(slow)
+    assert not det.ejected(wedged)  # now re-admitted (on probation): the room is free again
+    det.failure(slow, FailureKind.FIRST_BYTE_TIMEOUT)
+    assert det.ejected(slow)
+
+
 def test_by_default_half_stay_in_rotation_but_one_can_always_go() -> None:
     """Envoy's rule: a cap on the share ejected, yet at least one engine ejectable."""
     for n, most in ((1, 1), (2, 1), (3, 1), (4, 2), (7, 3)):
