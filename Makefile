@@ -22,10 +22,13 @@ help:
 
 # The product (kvstrata, editable, with its dev tools) and the development harness (kvstrata-dev: local
 # control plane, engine harness, e2e launcher, demo), which is never part of the product wheel.
-$(VENV)/.ok: pyproject.toml dev/pyproject.toml
+# The router's native core (native/: Rust, PyO3, built by maturin with the pinned crates of Cargo.lock)
+# is installed with them; it needs cargo (rustup), not a container or a prebuilt wheel.
+NATIVE_SRC := native/Cargo.toml native/Cargo.lock native/pyproject.toml native/kvstrata_native.pyi $(wildcard native/src/*.rs)
+$(VENV)/.ok: pyproject.toml dev/pyproject.toml $(NATIVE_SRC)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --disable-pip-version-check -q --upgrade pip==25.3
-	$(PY) -m pip install --disable-pip-version-check -q -e '.[dev]' -e ./dev
+	$(PY) -m pip install --disable-pip-version-check -q -e '.[dev]' -e ./dev ./native
 	touch $@
 
 venv: $(VENV)/.ok

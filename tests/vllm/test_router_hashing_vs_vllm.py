@@ -45,4 +45,4 @@ def test_router_block_hashes_equal_vllms(vllm_py: Path, algo: HashAlgo) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     want = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(want) == 4
-    assert block_hashes(tokens, 4, algo) == want
+    assert list(block_hashes(tokens, 4, algo)) == want

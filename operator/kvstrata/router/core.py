@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import replace
@@ -99,7 +100,7 @@ class Router:
         self.scorers: list[tuple[Scorer, float]] = build_scorers(settings)
         self.bounded = BoundedLoadFilter(settings.bounded_load_factor, settings.bounded_load_slack)
         self.policy = POLICIES[settings.policy](self)
-        self._token_cache: OrderedDict[str, tuple[int, list[int]]] = OrderedDict()
+        self._token_cache: OrderedDict[str, tuple[int, array[int]]] = OrderedDict()
         self._remote_off_until = 0.0
         self.pool.subscribe(lambda ep: None, self._forget)
         metrics.bind_index(lambda: len(self.index), lambda: self.index.evictions)
@@ -145,10 +146,10 @@ class Router:
         }
 
     # --- prompt → hashes -------------------------------------------------------------------------
-    def _hash_tokens(self, ids: Sequence[int]) -> tuple[int, list[int]]:
+    def _hash_tokens(self, ids: Sequence[int]) -> tuple[int, array[int]]:
         return len(ids), block_hashes(ids, self.settings.block_size, self.settings.hash_algo)
 
-    def _incremental(self, text: str, add_special_tokens: bool) -> tuple[int, list[int]] | None:
+    def _incremental(self, text: str, add_special_tokens: bool) -> tuple[int, array[int]] | None:
         """Tokens and hashes by the incremental encoder, or None for a tokenizer without one (a
         stand-in in tests)."""
         make = getattr(self.tokenizer, "incremental", None)
@@ -159,9 +160,9 @@ class Router:
         if got.reused_chars:
             self.metrics.prompt_chars.labels("reused").inc(got.reused_chars)
         self.metrics.prompt_chars.labels("tokenized").inc(len(text) - got.reused_chars)
-        return int(got.tokens), list(got.hashes)
+        return int(got.tokens), got.hashes
 
-    def _finish_completion(self, text: str, walked: Any) -> tuple[int, list[int]]:
+    def _finish_completion(self, text: str, walked: Any) -> tuple[int, array[int]]:
         assert isinstance(self.tokenizer, LocalTokenizer)
         s = self.settings
         got = self.tokenizer.incremental(True, s.block_size, s.hash_algo).finish(text, walked)
@@ -170,7 +171,7 @@ class Router:
         self.metrics.prompt_chars.labels("tokenized").inc(len(text) - got.reused_chars)
         return got.tokens, got.hashes
 
-    async def _completion_hashes(self, text: str) -> tuple[int, list[int]]:
+    async def _completion_hashes(self, text: str) -> tuple[int, array[int]]:
         """A long completion prompt: the walk over cached chunks on the loop (cheap, and only when no
         tokenizer thread holds the cache), the rest on the loop too if little is new, else in the pool
         sized by what is new: an extending prompt costs what its new tail costs."""
@@ -181,18 +182,18 @@ class Router:
             if walked is not None:
                 new = len(text) - walked.pos
                 inline = new <= _INLINE_TOKENIZE_CHARS * 2
-                got: tuple[int, list[int]] = await self._compute(
+                got: tuple[int, array[int]] = await self._compute(
                     inline, new, self._finish_completion, text, walked
                 )
                 return got
         got = await self._offload(len(text), self._hash_completion, text)
         return got
 
-    def _hash_completion(self, text: str) -> tuple[int, list[int]]:
+    def _hash_completion(self, text: str) -> tuple[int, array[int]]:
         assert self.tokenizer is not None
         return self._incremental(text, True) or self._hash_tokens(self.tokenizer.encode_completion(text))
 
-    def _hash_chat(self, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> tuple[int, list[int]]:
+    def _hash_chat(self, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> tuple[int, array[int]]:
         assert self.tokenizer is not None
         # The rendered conversation extends the previous turn's: the same cut, on the rendered text.
         rendered = self.tokenizer.render_chat(messages, **kwargs)
@@ -208,7 +209,7 @@ class Router:
 
     async def prompt_hashes(
         self, req: ParsedRequest, candidates: Sequence[Endpoint]
-    ) -> tuple[list[int], bool, int | None]:
+    ) -> tuple[array[int], bool, int | None]:
         """(block hashes, approximate?, prompt tokens). Engine hashes when tokens can be had, else
         character blocks (every such fallback is counted by cause)."""
         bs = self.settings.block_size
@@ -263,7 +264,7 @@ class Router:
             return await self._fallback(req, "remote_tokenize_unavailable")
         return await self._fallback(req, "no_tokenizer")
 
-    async def _fallback(self, req: ParsedRequest, reason: str) -> tuple[list[int], bool, int | None]:
+    async def _fallback(self, req: ParsedRequest, reason: str) -> tuple[array[int], bool, int | None]:
         self.metrics.fallbacks.labels(reason).inc()
         text = req.routing_text()
         # Size 0: the small pool, never refused (a hash over the text, bounded by maxPromptChars).

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-from collections.abc import Callable, Sequence
+from array import array
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import cbor2
@@ -42,6 +43,13 @@ def _cbor_bytes(obj: Any) -> bytes:
 _SERIALIZERS: dict[str, Callable[[Any], bytes]] = {"sha256": _pickle_bytes, "sha256_cbor": _cbor_bytes}
 NONE_HASHES: dict[str, bytes] = {a: hashlib.sha256(f(_NONE_SEED)).digest() for a, f in _SERIALIZERS.items()}
 NONE_HASH: bytes = NONE_HASHES["sha256"]
+
+
+def chain(values: Iterable[int] = ()) -> array[int]:
+    """A prompt's 64-bit block hashes as the router passes them around: an ``array('Q')``, which the
+    native index reads in place (a list of 64-bit Python ints costs ~40 ns per block to convert) and
+    which concatenates and slices by memcpy."""
+    return array("Q", values)
 
 
 class UnsupportedHashAlgo(ValueError):
@@ -82,16 +90,16 @@ def block_digests(
     return out
 
 
-def block_hashes(tokens: Sequence[int], block_size: int, algo: HashAlgo = DEFAULT_HASH_ALGO) -> list[int]:
+def block_hashes(tokens: Sequence[int], block_size: int, algo: HashAlgo = DEFAULT_HASH_ALGO) -> array[int]:
     """The 64-bit block hashes vLLM would publish for a prompt of ``tokens``."""
-    return [to_external(d) for d in block_digests(tokens, block_size, algo=algo)]
+    return chain(map(to_external, block_digests(tokens, block_size, algo=algo)))
 
 
-def char_block_hashes(text: str, chunk_chars: int, max_blocks: int | None = None) -> list[int]:
+def char_block_hashes(text: str, chunk_chars: int, max_blocks: int | None = None) -> array[int]:
     """Approximate prefix identity when token ids are unavailable: chained hashes of character chunks.
 
     They never match engine hashes; they only let the router remember where it sent a prefix."""
-    out: list[int] = []
+    out = chain()
     prev = b"kvstrata-char-blocks"
     limit = len(text) - chunk_chars + 1
     for start in range(0, max(limit, 0), chunk_chars):

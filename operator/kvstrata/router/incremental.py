@@ -48,6 +48,7 @@ import json
 import logging
 import re
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -57,7 +58,7 @@ from typing import Any, NamedTuple
 from tokenizers import Tokenizer
 
 from kvstrata.api.router_config import DEFAULT_HASH_ALGO, HashAlgo
-from kvstrata.router.hashing import NONE_HASHES, block_digests, check_algo, to_external
+from kvstrata.router.hashing import NONE_HASHES, block_digests, chain, check_algo, to_external
 
 log = logging.getLogger("kvstrata.router.incremental")
 
@@ -204,20 +205,20 @@ class _State(NamedTuple):
 class _Node:
     id: int
     chars: int  # the chunk's length (its key also holds the context after it)
-    hashes: list[int]  # 64-bit hashes of the blocks completed within this chunk
+    hashes: array[int]  # 64-bit hashes of the blocks completed within this chunk
     state: _State
 
 
 class Walk(NamedTuple):
     pos: int  # characters covered by cached chunks
     state: _State
-    hashes: list[int]
+    hashes: array[int]
     parent_id: int  # the last cached chunk's node (-1: the tokenizer is not cut)
 
 
 class Encoded(NamedTuple):
     tokens: int
-    hashes: list[int]
+    hashes: array[int]
     reused_chars: int  # characters whose tokens and hashes came from the cache
 
 
@@ -344,14 +345,14 @@ class IncrementalEncoder:
                     return False
         return True
 
-    def _extend(self, state: _State, ids: Sequence[int]) -> tuple[list[int], _State]:
+    def _extend(self, state: _State, ids: Sequence[int]) -> tuple[array[int], _State]:
         bs = self.block_size
         tokens = state.leftover + tuple(ids)
         full = len(tokens) // bs * bs
         if not full:
-            return [], _State(state.tokens + len(ids), state.last, tokens)
+            return chain(), _State(state.tokens + len(ids), state.last, tokens)
         digests = block_digests(tokens[:full], bs, parent=state.last, algo=self.algo)
-        return [to_external(d) for d in digests], _State(state.tokens + len(ids), digests[-1], tokens[full:])
+        return chain(map(to_external, digests)), _State(state.tokens + len(ids), digests[-1], tokens[full:])
 
     def encode(self, text: str) -> Encoded:
         """(tokens, block hashes, characters reused) of ``text``, as a whole encode + hash would give."""
@@ -365,21 +366,24 @@ class IncrementalEncoder:
         cached chunk's key is its text plus the characters after it that its cut depended on, so a
         prompt holding that same text at that place has its cut at the same point."""
         if not self.enabled:
-            return Walk(0, _State(0, NONE_HASHES[self.algo], ()), [], -1)
+            return Walk(0, _State(0, NONE_HASHES[self.algo], ()), chain(), -1)
         nodes, key_lens = self._trie.nodes, self._trie.key_lens
         parent_id, state, pos = 0, self._root, 0
-        hashes: list[int] = []
+        hashes = chain()
         path: list[tuple[int, str]] = []
         if not self._lock.acquire(blocking):
             return None
         try:
             # A long prompt that extends a recent one starts where that one's chunks ended: one string
-            # comparison (C) instead of a lookup per chunk.
+            # comparison (C) instead of a lookup per chunk. The longest such prompt: a shorter one that
+            # forked off may end on a cut (its tail's finer ones) that the trie cannot walk on from.
             if len(text) > _RECENT_MIN_CHARS:
+                best: Walk | None = None
                 for prefix, w in self._recent.get(text[:_RECENT_KEY_CHARS], ()):
-                    if text.startswith(prefix):
-                        parent_id, state, pos, hashes = w.parent_id, w.state, w.pos, list(w.hashes)
-                        break
+                    if (best is None or w.pos > best.pos) and text.startswith(prefix):
+                        best = w
+                if best is not None:
+                    parent_id, state, pos, hashes = best.parent_id, best.state, best.pos, best.hashes[:]
             while True:
                 node = None
                 for n in key_lens.get(parent_id, ()):
@@ -403,16 +407,20 @@ class IncrementalEncoder:
         """Tokenize and hash what :meth:`walk` did not find (the costly part; runs in a thread for long
         remainders), and cache its chunks."""
         pos, state, hashes, parent_id = walked
-        hashes = list(hashes)
+        hashes = hashes[:]
         if parent_id < 0:  # not enabled: one whole encode
             got, end = self._extend(state, self.full_ids(text))
             return Encoded(end.tokens, got, 0)
         reused = pos
-        bounds = [pos, *self.cuts(text, pos), len(text)]
+        cuts = list(self.cuts(text, pos))
+        # The unfinished tail is what a prompt extending this one tokenizes again: cut its last stretch
+        # in first-chunk sizes too, so the next turn re-tokenizes at most ~first_chunk_chars of it.
+        cuts += self.cuts(text, cuts[-1] if cuts else pos, step=self.first_chunk_chars)
+        bounds = [pos, *cuts, len(text)]
         pieces = [text[a:b] for a, b in pairwise(bounds)]
         all_ids = self._ids(pieces)
         ctx = self._reach + 2
-        new: list[tuple[str, list[int], _State, int]] = []
+        new: list[tuple[str, array[int], _State, int]] = []
         for a, piece, ids in zip(bounds, pieces[:-1], all_ids[:-1], strict=False):
             got, state = self._extend(state, ids)
             hashes += got
@@ -444,7 +452,7 @@ class IncrementalEncoder:
                 _, old = recent.popitem(last=False)
                 self._recent_chars -= sum(len(p) for p, _ in old)
 
-    def _insert(self, parent: int, new: list[tuple[str, list[int], _State, int]]) -> int:
+    def _insert(self, parent: int, new: list[tuple[str, array[int], _State, int]]) -> int:
         """Cache the new chunks under ``parent``; the last one's node id."""
         trie = self._trie
         with self._lock:

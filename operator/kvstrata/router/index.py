@@ -26,18 +26,15 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping, Sequence
-from operator import itemgetter
-from typing import Any, NamedTuple, Protocol, cast
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, Protocol
 
 from kvstrata.router.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvstrata.router.native import CPU, GPU, STORAGE, BlockTable
 
-GPU, CPU, STORAGE, PREDICTED = 1, 2, 4, 8
 REAL = GPU | CPU | STORAGE
 _MEDIUM_BIT = {"GPU": GPU, "CPU": CPU, "STORAGE": STORAGE}
-_MASK = itemgetter(0)
-_PRED = itemgetter(1)
 # Prompts with at most this many known blocks re-point them to the new prediction (cheap); longer ones
 # hold the earlier predictions instead (Prediction.keepers).
 _REPOINT_BLOCKS = 64
@@ -54,9 +51,10 @@ class Prediction:
     re-point them: it becomes one of this prediction's *keepers*, and the blocks live while this
     prediction or any keeper does (:meth:`until`). So a turn costs work for its new blocks only."""
 
-    __slots__ = ("dead", "endpoint", "expires", "hashes", "keepers", "kept")
+    __slots__ = ("dead", "endpoint", "expires", "hashes", "id", "keepers", "kept")
 
-    def __init__(self, endpoint: str, expires: float, hashes: tuple[int, ...]) -> None:
+    def __init__(self, id: int, endpoint: str, expires: float, hashes: Sequence[int]) -> None:
+        self.id = id  # what the endpoint's BlockTable records for the blocks this prediction set
         self.endpoint = endpoint
         self.expires = expires
         self.hashes = hashes
@@ -100,16 +98,23 @@ class PrefixIndex(Protocol):
 
 
 class BlockIndex:
-    """The in-memory :class:`PrefixIndex`. Not thread-safe: it lives on the event loop."""
+    """The in-memory :class:`PrefixIndex`. Not thread-safe: it lives on the event loop.
+
+    Each endpoint's blocks live in a native :class:`BlockTable` (router/native.py): every per-block
+    loop (a lookup's walk, a prediction's inserts, an event's blocks, an expiry) is one native call, so a
+    128K-token prompt's 4,096 blocks cost microseconds, not a Python iteration each."""
 
     def __init__(self, max_blocks: int, clock: Callable[[], float] = time.monotonic) -> None:
         if max_blocks < 1:
             raise ValueError("max_blocks must be >= 1")
         self.max_blocks = max_blocks
         self._clock = clock
-        # endpoint -> hash -> [mask, Prediction or None]; order = least recently touched first
-        self._eps: dict[str, OrderedDict[int, list[Any]]] = {}
-        # Min-heap of (expiry, seq, endpoint, hashes): one record per predict() call, not per block (a
+        # endpoint -> its blocks: hash -> (mask, prediction id), least recently touched first
+        self._eps: dict[str, BlockTable] = {}
+        # Live predictions by id (the tables hold ids): for the earlier predictions a turn holds.
+        self._preds: dict[int, Prediction] = {}
+        self._pred_ids = itertools.count(1)
+        # Min-heap of (expiry, seq, prediction): one record per predict() call, not per block (a
         # 128K-token prompt is 4,096 blocks). Expiries differ per call (a request in flight is predicted
         # until its first token, then for the short TTL), so a FIFO would not be in expiry order. Refreshes
         # leave stale records; past 2 × max_blocks hashes in them the heap is rebuilt from live predictions.
@@ -129,106 +134,61 @@ class BlockIndex:
         return list(self._eps)
 
     def blocks_of(self, endpoint: str) -> int:
-        return len(self._eps.get(endpoint, ()))
+        table = self._eps.get(endpoint)
+        return 0 if table is None else len(table)
 
     # --- reads -----------------------------------------------------------------------------------
     def lookup(self, hashes: Sequence[int]) -> dict[str, PrefixMatch]:
-        """Per endpoint with at least one matching leading block: the matched prefix and its tiers.
-
-        The per-block work runs in C (``map``, ``list.index``, ``Counter``): a long prompt's walk costs
-        tens of nanoseconds per block, not a Python loop iteration."""
+        """Per endpoint with at least one matching leading block: the matched prefix and its tiers
+        (the matched blocks become the most recently touched there)."""
         if not hashes:
             return {}
-        now = self._clock()
-        self._expire(now)  # after this no entry holds an expired prediction
+        self._expire(self._clock())  # after this no entry holds an expired prediction
         out: dict[str, PrefixMatch] = {}
-        for ep, blocks in self._eps.items():
-            if hashes[0] not in blocks:
-                continue
-            entries = list(map(blocks.get, hashes))
-            try:
-                n = entries.index(None)
-            except ValueError:
-                n = len(entries)
-            masks = list(map(_MASK, cast("list[list[Any]]", entries[:n])))
-            kinds = set(masks)  # one or two kinds as a rule: counted in C, no per-block Python
-            gpu = cpu = storage = predicted = 0
-            for mask in kinds:
-                count = n if len(kinds) == 1 else masks.count(mask)
-                m = int(mask)
-                if m & GPU:
-                    gpu += count
-                elif m & CPU:
-                    cpu += count
-                elif m & STORAGE:
-                    storage += count
-                else:
-                    predicted += count
-            deque(map(blocks.move_to_end, hashes[:n]), maxlen=0)  # touched: most recently used
-            out[ep] = PrefixMatch(n, gpu, cpu, storage, predicted)
+        for ep, table in self._eps.items():
+            n, gpu, cpu, storage, predicted = table.prefix(hashes)
+            if n:
+                out[ep] = PrefixMatch(n, gpu, cpu, storage, predicted)
         return out
 
     def history(self, hashes: Sequence[int]) -> dict[str, int]:
         """Per endpoint, the prompt's leading blocks it holds or evicted lately (0s left out)."""
         out: dict[str, int] = {}
-        none: dict[int, Any] = {}
+        empty: dict[int, None] = {}
         for ep in set(self._eps) | set(self._ghosts):
-            live: Mapping[int, list[Any]] = self._eps.get(ep, none)
-            ghosts: Mapping[int, None] = self._ghosts.get(ep, none)
+            table = self._eps.get(ep)
+            ghosts = self._ghosts.get(ep, empty)
             n = 0
             for h in hashes:
-                if h not in ghosts and not self._real(live.get(h)):
+                if h not in ghosts and not (table is not None and table.mask(h) & REAL):
                     break
                 n += 1
             if n:
                 out[ep] = n
         return out
 
-    @staticmethod
-    def _real(entry: list[Any] | None) -> bool:
-        return entry is not None and bool(int(entry[0]) & REAL)
-
     # --- writes ----------------------------------------------------------------------------------
     def apply(self, endpoint: str, event: KVEvent) -> int:
         """Apply one engine event; returns how many of a BlockRemoved's blocks the index held on that
         medium (0 for other events): a removal that matches nothing points at a hash mismatch."""
         if isinstance(event, BlockStored):
-            bit = _MEDIUM_BIT.get(event.medium, GPU)
-            blocks = self._blocks(endpoint)
             ghosts = self._ghosts.get(endpoint)
-            for h in event.block_hashes:
-                if ghosts is not None and h in ghosts:
-                    del ghosts[h]
-                    self._ghost_count -= 1
-                entry = blocks.get(h)
-                if entry is None:
-                    blocks[h] = [bit, None]
-                    self._size += 1
-                else:
-                    # Confirmed: the prediction (if any) is now a fact.
-                    entry[0] = (int(entry[0]) | bit) & REAL
-                    entry[1] = None
-                    blocks.move_to_end(h)
+            if ghosts:
+                for h in event.block_hashes:
+                    if h in ghosts:
+                        del ghosts[h]
+                        self._ghost_count -= 1
+            bit = _MEDIUM_BIT.get(event.medium, GPU)
+            self._size += self._table(endpoint).store(event.block_hashes, bit)
             self._enforce_bound()
         elif isinstance(event, BlockRemoved):
-            held = self._eps.get(endpoint)
-            if held is None:
+            table = self._eps.get(endpoint)
+            if table is None:
                 return 0
-            bit = _MEDIUM_BIT.get(event.medium, GPU)
-            matched = 0
-            for h in event.block_hashes:
-                entry = held.get(h)
-                if entry is None:
-                    continue
-                matched += bool(int(entry[0]) & bit)
-                mask = int(entry[0]) & ~bit & REAL
-                if mask:
-                    entry[0] = mask
-                else:
-                    # Gone from every tier; a pending prediction for it is wrong too.
-                    del held[h]
-                    self._size -= 1
-                    self._remember(endpoint, h)
+            matched, gone = table.remove(event.block_hashes, _MEDIUM_BIT.get(event.medium, GPU))
+            self._size -= len(gone)
+            for h in gone:  # gone from every tier; a pending prediction for it is wrong too
+                self._remember(endpoint, h)
             return matched
         elif isinstance(event, AllBlocksCleared):
             self._clear(endpoint)
@@ -239,50 +199,27 @@ class BlockIndex:
         self, endpoint: str, hashes: Sequence[int], ttl: float, touched: int = 0
     ) -> Prediction | None:
         """Record that ``endpoint`` will hold ``hashes`` (until confirmed, or ``ttl`` from now).
-        ``touched``: a lookup just matched that many leading blocks there (they are most recent already)."""
+        ``touched``: a lookup just matched that many leading blocks there (they are most recent already).
+
+        A prompt seen before, maybe extended (known blocks, then new ones): with more than
+        ``_REPOINT_BLOCKS`` known blocks, those keep the predictions they have, and each of those is held
+        by this one as long as it lives (one step per earlier prediction, usually one per turn)."""
         if not hashes:
             return None
         now = self._clock()
         self._expire(now)
-        pred = Prediction(endpoint, now + ttl, tuple(hashes))
-        blocks = self._blocks(endpoint)
-        entries = list(map(blocks.get, hashes))
-        try:
-            known = entries.index(None)
-        except ValueError:
-            known = len(entries)
-        if entries.count(None) == len(entries) - known:
-            # The usual shape (a prompt seen before, maybe extended): known blocks, then new ones.
-            # Per-block work in C except for the new blocks.
-            head = cast("list[list[Any]]", entries[:known])
-            if known <= _REPOINT_BLOCKS:  # a short prompt: re-point its few predicted blocks
-                for known_entry in head:
-                    if known_entry[0] == PREDICTED:
-                        known_entry[1] = pred
-            else:
-                # A long prompt's known blocks keep the predictions they have; each of those is held by
-                # this one as long as it lives (one step per earlier prediction, usually one per turn).
-                olds = set(map(_PRED, head))
-                olds.discard(None)
-                for prev in olds:
-                    prev.hold(pred)
-                    pred.kept.append(prev)
-                    if pred.expires > prev.expires:
-                        self._push(prev, pred.expires)
-            if touched < known:
-                deque(map(blocks.move_to_end, hashes[touched:known]), maxlen=0)
-            for h in hashes[known:]:
-                blocks[h] = [PREDICTED, pred]
-            self._size += len(hashes) - known
-        else:
-            for h, entry in zip(hashes, entries, strict=True):
-                if entry is None:
-                    blocks[h] = [PREDICTED, pred]
-                    self._size += 1
-                else:
-                    if not int(entry[0]) & REAL:
-                        entry[1] = pred
-                    blocks.move_to_end(h)
+        pred = Prediction(next(self._pred_ids), endpoint, now + ttl, hashes)
+        added, olds = self._table(endpoint).predict(hashes, pred.id, _REPOINT_BLOCKS, touched)
+        self._preds[pred.id] = pred
+        for pid in olds:
+            prev = self._preds.get(pid)
+            if prev is None:
+                continue
+            prev.hold(pred)
+            pred.kept.append(prev)
+            if pred.expires > prev.expires:
+                self._push(prev, pred.expires)
+        self._size += added
         self._push(pred)
         self._enforce_bound()
         return pred
@@ -305,35 +242,36 @@ class BlockIndex:
             self._compact_predictions()
 
     def drop_endpoint(self, endpoint: str) -> None:
-        blocks = self._eps.pop(endpoint, None)
-        if blocks is not None:
-            self._size -= len(blocks)
+        table = self._eps.pop(endpoint, None)
+        if table is not None:
+            self._size -= len(table)
         self._forget(endpoint)
 
     # --- internals -------------------------------------------------------------------------------
-    def _blocks(self, endpoint: str) -> OrderedDict[int, list[Any]]:
-        blocks = self._eps.get(endpoint)
-        if blocks is None:
-            blocks = self._eps[endpoint] = OrderedDict()
-        return blocks
+    def _table(self, endpoint: str) -> BlockTable:
+        table = self._eps.get(endpoint)
+        if table is None:
+            table = self._eps[endpoint] = BlockTable()
+        return table
 
     def _clear(self, endpoint: str) -> None:
-        blocks = self._eps.get(endpoint)
-        if blocks is not None:
-            self._size -= len(blocks)
-            blocks.clear()
+        table = self._eps.get(endpoint)
+        if table is not None:
+            self._size -= len(table)
+            table.clear()
 
     def _compact_predictions(self) -> None:
         """Rebuild the heap from live predictions: refreshed ones leave stale records behind."""
         now = self._clock()
-        live: dict[int, tuple[Prediction, list[int]]] = {}
-        for blocks in self._eps.values():
-            for h, entry in blocks.items():
-                pred = entry[1]
-                if entry[0] == PREDICTED and pred is not None:
-                    live.setdefault(id(pred), (pred, []))[1].append(h)
+        live: dict[int, list[int]] = {}
+        for table in self._eps.values():
+            for h, pid in table.predicted():
+                live.setdefault(pid, []).append(h)
         self._predictions = []
-        for pred, hs in live.values():
+        for pid, hs in live.items():
+            pred = self._preds.get(pid)
+            if pred is None:
+                continue
             pred.hashes = tuple(hs)
             self._predictions.append((pred.until(now), next(self._seq), pred))
         self._predicted_hashes = sum(len(p.hashes) for _, _, p in self._predictions)
@@ -353,22 +291,21 @@ class BlockIndex:
                 continue
             pred.dead = True
             pred.keepers, pred.kept = [], []
-            blocks = self._eps.get(pred.endpoint)
-            if blocks is None:
-                continue
-            # Only the prediction that set this expiry may remove it; confirmed entries have mask bits.
-            for h, entry in zip(pred.hashes, map(blocks.get, pred.hashes), strict=True):
-                if entry is not None and entry[0] == PREDICTED and entry[1] is pred:
-                    del blocks[h]
-                    self._size -= 1
+            self._preds.pop(pred.id, None)
+            table = self._eps.get(pred.endpoint)
+            if table is not None:
+                # Only the prediction that set this expiry may remove it; confirmed entries have mask bits.
+                self._size -= table.expire(pred.hashes, pred.id)
 
     def _enforce_bound(self) -> None:
         while self._size > self.max_blocks:
             ep = max(self._eps, key=lambda e: len(self._eps[e]))
-            h, entry = self._eps[ep].popitem(last=False)
+            oldest = self._eps[ep].pop_oldest()
+            assert oldest is not None  # the largest table of an over-full index is not empty
+            h, mask = oldest
             self._size -= 1
             self.evictions += 1
-            if self._real(entry):
+            if mask & REAL:
                 self._remember(ep, h)
 
     def _remember(self, endpoint: str, h: int) -> None:

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvstrata.api.router_config import RouterSettings, TierWeights
 from kvstrata.router.index import PrefixMatch
+from kvstrata.router.native import Recency
 from kvstrata.router.pool import Endpoint, faded
 from kvstrata.router.reasons import Reason
 
@@ -260,27 +260,21 @@ class FitScorer(ScorerHooks):
 
     window_s: float
     name: str = "fit"
-    # Per endpoint URL: block hash -> when it was last routed there (monotonic), oldest first.
-    demand: dict[str, OrderedDict[int, float]] = field(default_factory=dict)
+    # Per endpoint URL: block hash -> when it was last routed there (monotonic), oldest first (native:
+    # a long prompt's thousands of blocks are touched in one call).
+    demand: dict[str, Recency] = field(default_factory=dict)
 
     def demand_blocks(self, ep: Endpoint, now: float) -> int:
         blocks = self.demand.get(ep.url)
-        if blocks is None:
-            return 0
-        horizon = now - self.window_s
-        while blocks and next(iter(blocks.values())) < horizon:
-            blocks.popitem(last=False)
-        return len(blocks)
+        return 0 if blocks is None else blocks.expire_before(now - self.window_s)
 
     def on_routed(self, ep: Endpoint, now: float, hashes: Sequence[int] = ()) -> None:
-        blocks = self.demand.setdefault(ep.url, OrderedDict())
-        for h in hashes:
-            blocks[h] = now
-            blocks.move_to_end(h)
+        blocks = self.demand.get(ep.url)
+        if blocks is None:
+            blocks = self.demand[ep.url] = Recency()
+        blocks.touch(hashes, now)
         # Bounded whatever the window: past a few pools' worth the answer is "over" anyway.
-        limit = 4 * max(ep.kv_blocks, 1024)
-        while len(blocks) > limit:
-            blocks.popitem(last=False)
+        blocks.trim(4 * max(ep.kv_blocks, 1024))
 
     def on_removed(self, ep: Endpoint) -> None:
         self.demand.pop(ep.url, None)

@@ -1,0 +1,165 @@
+"""The native block tables (native/src/lib.rs) against a plain-Python model of the same rules: random
+operations, the same answers, the same least-recently-touched order; a chain read in place from an
+``array('Q')`` and a list of ints give the same results."""
+
+from __future__ import annotations
+
+import random
+from array import array
+from collections import OrderedDict
+
+import pytest
+
+from kvstrata.router.native import CPU, GPU, PREDICTED, STORAGE, BlockTable, Recency
+
+REAL = GPU | CPU | STORAGE
+
+
+class Model:
+    """The rules of BlockTable in Python (what router/index.py did with OrderedDicts before)."""
+
+    def __init__(self) -> None:
+        self.d: OrderedDict[int, list[int]] = OrderedDict()
+
+    def prefix(self, hs: list[int]) -> tuple[int, int, int, int, int]:
+        n = gpu = cpu = storage = predicted = 0
+        for h in hs:
+            e = self.d.get(h)
+            if e is None:
+                break
+            self.d.move_to_end(h)
+            n += 1
+            if e[0] & GPU:
+                gpu += 1
+            elif e[0] & CPU:
+                cpu += 1
+            elif e[0] & STORAGE:
+                storage += 1
+            else:
+                predicted += 1
+        return n, gpu, cpu, storage, predicted
+
+    def store(self, hs: list[int], bit: int) -> int:
+        added = 0
+        for h in hs:
+            e = self.d.get(h)
+            if e is None:
+                self.d[h] = [bit, 0]
+                added += 1
+            else:
+                e[0], e[1] = (e[0] | bit) & REAL, 0
+                self.d.move_to_end(h)
+        return added
+
+    def remove(self, hs: list[int], bit: int) -> tuple[int, list[int]]:
+        matched, gone = 0, []
+        for h in hs:
+            e = self.d.get(h)
+            if e is None:
+                continue
+            matched += bool(e[0] & bit)
+            if e[0] & ~bit & REAL:
+                e[0] = e[0] & ~bit & REAL
+            else:
+                del self.d[h]
+                gone.append(h)
+        return matched, gone
+
+    def predict(self, hs: list[int], pred: int, repoint: int, touched: int) -> tuple[int, list[int]]:
+        present = [h in self.d for h in hs]
+        known = present.index(False) if False in present else len(hs)
+        added, olds = 0, list[int]()
+        if any(present[known:]):
+            for h in hs:
+                e = self.d.get(h)
+                if e is None:
+                    self.d[h] = [PREDICTED, pred]
+                    added += 1
+                else:
+                    if not e[0] & REAL:
+                        e[1] = pred
+                    self.d.move_to_end(h)
+            return added, olds
+        if known <= repoint:
+            for h in hs[:known]:
+                if self.d[h][0] == PREDICTED:
+                    self.d[h][1] = pred
+        else:
+            for h in hs[:known]:
+                p = self.d[h][1]
+                if p and p not in olds:
+                    olds.append(p)
+        for h in hs[touched:known]:
+            self.d.move_to_end(h)
+        for h in hs[known:]:
+            added += h not in self.d
+            self.d[h] = [PREDICTED, pred]
+            self.d.move_to_end(h)
+        return added, olds
+
+    def expire(self, hs: list[int], pred: int) -> int:
+        n = 0
+        for h in hs:
+            e = self.d.get(h)
+            if e is not None and e == [PREDICTED, pred]:
+                del self.d[h]
+                n += 1
+        return n
+
+
+def test_block_table_follows_the_model_on_random_operations() -> None:
+    rng = random.Random(5)
+    universe = [rng.getrandbits(64) for _ in range(60)] + [0, 1, (1 << 64) - 1]
+    for _ in range(20):
+        table, model = BlockTable(), Model()
+        for step in range(300):
+            start = rng.randrange(len(universe))
+            hs = universe[start : start + rng.randrange(1, 12)]
+            arg: list[int] | array[int] = array("Q", hs) if step % 2 else hs
+            op = rng.randrange(6)
+            if op == 0:
+                assert table.prefix(arg) == model.prefix(hs)
+            elif op == 1:
+                bit = rng.choice((GPU, CPU, STORAGE))
+                assert table.store(arg, bit) == model.store(hs, bit)
+            elif op == 2:
+                bit = rng.choice((GPU, CPU, STORAGE))
+                assert table.remove(arg, bit) == model.remove(hs, bit)
+            elif op == 3:
+                args = (rng.randrange(1, 6), rng.choice((0, 2, 64)), rng.randrange(0, 4))
+                got, want = table.predict(arg, *args), model.predict(hs, *args)
+                assert got[0] == want[0] and sorted(got[1]) == sorted(want[1])
+            elif op == 4:
+                pred = rng.randrange(1, 6)
+                assert table.expire(arg, pred) == model.expire(hs, pred)
+            elif model.d:
+                h, (mask, _) = next(iter(model.d.items()))
+                del model.d[h]
+                assert table.pop_oldest() == (h, mask)
+            assert len(table) == len(model.d)
+            assert all(table.mask(h) == (model.d[h][0] if h in model.d else 0) for h in universe)
+        want_pred = sorted((h, e[1]) for h, e in model.d.items() if e[0] == PREDICTED and e[1])
+        assert sorted(table.predicted()) == want_pred
+        order = []
+        while (oldest := table.pop_oldest()) is not None:
+            order.append(oldest[0])
+        assert order == list(model.d)
+
+
+def test_a_prefix_stops_at_the_first_miss_and_bad_hashes_are_refused() -> None:
+    table = BlockTable()
+    table.store([1, 2, 3], GPU)
+    assert table.prefix(array("Q", [1, 99, 3])) == (1, 1, 0, 0, 0)
+    for bad in ([-1], [1 << 64], ["x"]):
+        with pytest.raises((OverflowError, TypeError)):
+            table.prefix(bad)  # type: ignore[arg-type]
+
+
+def test_recency_expires_the_oldest_touches_first() -> None:
+    r = Recency()
+    r.touch(array("Q", [1, 2, 3]), 1.0)
+    r.touch([2], 5.0)  # touched again: newest
+    assert r.expire_before(2.0) == 1  # 1 and 3 were last touched at 1.0
+    r.touch([4, 5, 6], 6.0)
+    r.trim(2)  # the oldest go: 2, then 4
+    assert len(r) == 2 and r.expire_before(6.0) == 2
