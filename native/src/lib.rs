@@ -113,11 +113,22 @@ impl BlockTable {
         repoint: usize,
         touched: usize,
     ) -> (usize, Vec<u64>) {
-        let known = hashes
-            .iter()
-            .position(|h| !self.map.contains_key(h))
-            .unwrap_or(hashes.len());
-        let holes = hashes[known..].iter().any(|h| self.map.contains_key(h));
+        // One probe per block: the predictions of the known leading blocks, where the first unknown
+        // block is, and whether a block after it is known (a hole).
+        let mut head_preds = Vec::with_capacity(hashes.len());
+        let mut known = hashes.len();
+        let mut holes = false;
+        for (i, h) in hashes.iter().enumerate() {
+            match self.map.get(h) {
+                Some(e) if known == hashes.len() => head_preds.push(e.pred),
+                Some(_) => {
+                    holes = true;
+                    break;
+                }
+                None if known == hashes.len() => known = i,
+                None => {}
+            }
+        }
         let mut added = 0;
         let mut olds = Vec::new();
         if holes {
@@ -152,8 +163,7 @@ impl BlockTable {
             }
         } else {
             let mut seen = FxHashSet::default();
-            for h in &hashes[..known] {
-                let p = self.map.get(h).map_or(0, |e| e.pred);
+            for p in head_preds {
                 if p != 0 && seen.insert(p) {
                     olds.push(p);
                 }

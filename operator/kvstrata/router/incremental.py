@@ -81,8 +81,12 @@ _CUT = re.compile(r"(?<=[A-Za-z0-9]) (?=[A-Za-z])")
 DEFAULT_CHUNK_CHARS = 1024
 DEFAULT_FIRST_CHUNK_CHARS = 256
 _FIRST_CHUNKS_UNTIL = 4096  # characters from the start cut in first-chunk sizes
-# Long prompts (over _RECENT_MIN_CHARS) remember where their chunks end, so that the next turn skips the
-# per-chunk walk: at most _RECENT_PER_KEY per first _RECENT_KEY_CHARS characters, _RECENT_MAX_CHARS in all.
+# The stretch after a prompt's last regular cut is cut this finely (see finish): a next turn re-tokenizes
+# at most about this many characters of the prompt it extends. Each such piece is a trie node.
+_TAIL_CHUNK_CHARS = 64
+# Long prompts (over _RECENT_MIN_CHARS) remember where their chunks end, so that the next turn (a prompt
+# starting with the whole of one) skips the per-chunk walk: at most _RECENT_PER_KEY per first
+# _RECENT_KEY_CHARS characters, _RECENT_MAX_CHARS in all.
 _RECENT_MIN_CHARS = 16_384
 _RECENT_KEY_CHARS = 256
 _RECENT_PER_KEY = 8
@@ -414,8 +418,8 @@ class IncrementalEncoder:
         reused = pos
         cuts = list(self.cuts(text, pos))
         # The unfinished tail is what a prompt extending this one tokenizes again: cut its last stretch
-        # in first-chunk sizes too, so the next turn re-tokenizes at most ~first_chunk_chars of it.
-        cuts += self.cuts(text, cuts[-1] if cuts else pos, step=self.first_chunk_chars)
+        # in _TAIL_CHUNK_CHARS pieces too, so the next turn re-tokenizes only that much of it.
+        cuts += self.cuts(text, cuts[-1] if cuts else pos, step=_TAIL_CHUNK_CHARS)
         bounds = [pos, *cuts, len(text)]
         pieces = [text[a:b] for a, b in pairwise(bounds)]
         all_ids = self._ids(pieces)
@@ -431,13 +435,15 @@ class IncrementalEncoder:
         if new:
             chunked = chunked._replace(parent_id=self._insert(parent_id, new))
         if chunked.pos > _RECENT_MIN_CHARS:
-            # With the characters the last cut depended on: a prompt that shares only the text up to
-            # the cut might not be cut there.
-            self._remember(text[: chunked.pos + ctx], chunked)
+            # The whole prompt, by reference (slicing a 128K-token prompt copies ~0.5 MB per turn): a
+            # prompt that starts with all of it shares the text the last cut depended on (at least
+            # ctx characters follow a cut). One that diverges earlier walks the trie instead.
+            self._remember(text, chunked)
         return Encoded(end.tokens, hashes, reused)
 
     def _remember(self, prefix: str, walked: Walk) -> None:
-        """Keep where a long prompt's chunks end, for the next turn that extends it."""
+        """Keep where a long prompt's chunks end, for the next turn that extends it (``prefix``: the
+        prompt, or any start of it that runs at least ctx characters past ``walked.pos``)."""
         key = prefix[:_RECENT_KEY_CHARS]
         with self._lock:
             recent = self._recent

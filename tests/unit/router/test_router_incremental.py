@@ -306,8 +306,8 @@ def test_chat_turns_reuse_the_rendered_conversation(tmp_path: Path) -> None:
 
 
 def test_a_long_prompts_next_turn_starts_where_its_chunks_ended() -> None:
-    """Long prompts remember where their chunks end; a prompt sharing that text (and what the last cut
-    depended on) starts there, one that diverges right after the cut does not, and both are exact."""
+    """Long prompts remember where their chunks end; a prompt extending one starts there, prompts that
+    diverge at or right after its last cut walk the trie instead, and all are exact."""
     tok = tiny_model()
     enc = IncrementalEncoder(tok, add_special_tokens=True, block_size=32)
     rng = random.Random(21)
