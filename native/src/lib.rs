@@ -6,10 +6,11 @@
 //! Hashes come in as the router's ``array('Q')`` chains, read in place through the buffer protocol, or
 //! as any sequence of ints (KV events), converted.
 
-use hashlink::LinkedHashMap;
+use std::collections::VecDeque;
+
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
-use rustc_hash::{FxBuildHasher, FxHashSet};
+use rustc_hash::{FxHashMap, FxHashSet};
 
 // Medium bits, as router/index.py uses them.
 const GPU: u8 = 1;
@@ -17,8 +18,6 @@ const CPU: u8 = 2;
 const STORAGE: u8 = 4;
 const PREDICTED: u8 = 8;
 const REAL: u8 = GPU | CPU | STORAGE;
-
-type Ordered<V> = LinkedHashMap<u64, V, FxBuildHasher>;
 
 /// Calls ``f`` with the hashes of ``obj``: a contiguous buffer of unsigned 64-bit ints is read in place;
 /// any other sequence of ints is converted first (~40 ns per 64-bit Python int, what the buffer avoids).
@@ -40,20 +39,45 @@ fn with_hashes<R>(obj: &Bound<'_, PyAny>, f: impl FnOnce(&[u64]) -> R) -> PyResu
 #[derive(Clone, Copy)]
 struct Entry {
     mask: u8,
-    pred: u64, // the prediction that set an unconfirmed entry's expiry; 0 = none
+    pred: u64,  // the prediction that set an unconfirmed entry's expiry; 0 = none
+    stamp: u64, // when it was last touched, on the table's own clock
 }
 
-/// One endpoint's blocks: hash -> (media mask, prediction id), least recently touched first.
+/// One endpoint's blocks: hash -> (media mask, prediction id), with least-recently-touched order.
+///
+/// The order is a touch stamp per entry, not a linked list: a touch is one write into the entry the
+/// probe already found (a linked list relinks two neighbours, each likely a cache miss, for every one
+/// of a long prompt's thousands of blocks). Only the index's bound asks for the oldest entry; it is
+/// served from a batch of the oldest stamps, rebuilt by one scan when its entries run out or go stale.
 #[pyclass(module = "kvstrata_native")]
 struct BlockTable {
-    map: Ordered<Entry>,
+    map: FxHashMap<u64, Entry>,
+    clock: u64,
+    oldest: Vec<(u64, u64)>, // (stamp, hash), newest first: pop() gives the oldest
 }
 
 impl BlockTable {
+    fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    fn touch(&mut self, h: &u64) -> Option<&mut Entry> {
+        let stamp = self.tick();
+        let e = self.map.get_mut(h)?;
+        e.stamp = stamp;
+        Some(e)
+    }
+
+    fn put(&mut self, h: u64, mask: u8, pred: u64) -> bool {
+        let stamp = self.tick();
+        self.map.insert(h, Entry { mask, pred, stamp }).is_none()
+    }
+
     fn prefix_of(&mut self, hashes: &[u64]) -> (usize, usize, usize, usize, usize) {
         let (mut n, mut gpu, mut cpu, mut storage, mut predicted) = (0, 0, 0, 0, 0);
         for h in hashes {
-            let Some(e) = self.map.to_back(h) else { break };
+            let Some(e) = self.touch(h) else { break };
             n += 1;
             if e.mask & GPU != 0 {
                 gpu += 1;
@@ -71,13 +95,13 @@ impl BlockTable {
     fn store_all(&mut self, hashes: &[u64], bit: u8) -> usize {
         let mut added = 0;
         for &h in hashes {
-            match self.map.to_back(&h) {
+            match self.touch(&h) {
                 Some(e) => {
                     e.mask = (e.mask | bit) & REAL;
                     e.pred = 0;
                 }
                 None => {
-                    self.map.insert(h, Entry { mask: bit, pred: 0 });
+                    self.put(h, bit, 0);
                     added += 1;
                 }
             }
@@ -133,20 +157,14 @@ impl BlockTable {
         let mut olds = Vec::new();
         if holes {
             for h in hashes {
-                match self.map.to_back(h) {
+                match self.touch(h) {
                     Some(e) => {
                         if e.mask & REAL == 0 {
                             e.pred = pred;
                         }
                     }
                     None => {
-                        self.map.insert(
-                            *h,
-                            Entry {
-                                mask: PREDICTED,
-                                pred,
-                            },
-                        );
+                        self.put(*h, PREDICTED, pred);
                         added += 1;
                     }
                 }
@@ -170,20 +188,10 @@ impl BlockTable {
             }
         }
         for h in hashes.iter().take(known).skip(touched) {
-            self.map.to_back(h);
+            self.touch(h);
         }
         for h in &hashes[known..] {
-            if self
-                .map
-                .insert(
-                    *h,
-                    Entry {
-                        mask: PREDICTED,
-                        pred,
-                    },
-                )
-                .is_none()
-            {
+            if self.put(*h, PREDICTED, pred) {
                 added += 1;
             }
         }
@@ -207,7 +215,9 @@ impl BlockTable {
     #[new]
     fn new() -> Self {
         Self {
-            map: Ordered::with_hasher(FxBuildHasher),
+            map: FxHashMap::default(),
+            clock: 0,
+            oldest: Vec::new(),
         }
     }
 
@@ -269,11 +279,33 @@ impl BlockTable {
 
     /// Remove and return the least recently touched block: (hash, mask).
     fn pop_oldest(&mut self) -> Option<(u64, u8)> {
-        self.map.pop_front().map(|(h, e)| (h, e.mask))
+        loop {
+            // A batch entry is stale if its block was touched (a newer stamp) or removed since; every
+            // block outside the batch was newer than the whole batch when it was built, and only gets
+            // newer, so the oldest valid batch entry is the oldest block.
+            while let Some((stamp, h)) = self.oldest.pop() {
+                if matches!(self.map.get(&h), Some(e) if e.stamp == stamp) {
+                    let e = self.map.remove(&h)?;
+                    return Some((h, e.mask));
+                }
+            }
+            if self.map.is_empty() {
+                return None;
+            }
+            let mut all: Vec<(u64, u64)> = self.map.iter().map(|(h, e)| (e.stamp, *h)).collect();
+            let k = (all.len() / 8).max(64);
+            if k < all.len() {
+                all.select_nth_unstable(k);
+                all.truncate(k);
+            }
+            all.sort_unstable_by(|a, b| b.cmp(a));
+            self.oldest = all;
+        }
     }
 
     fn clear(&mut self) {
         self.map.clear();
+        self.oldest.clear();
     }
 
     /// (hash, prediction id) of every unconfirmed block.
@@ -286,10 +318,21 @@ impl BlockTable {
     }
 }
 
-/// Block hash -> when it was last touched (a float clock), oldest first: an endpoint's recent demand.
+/// Block hash -> when it was last touched (a float clock that does not go back), oldest first: an
+/// endpoint's recent demand. A touch is one probe and a push onto a touch-ordered queue; queue entries
+/// made stale by a later touch (a newer sequence number) are skipped when they reach the front, and the
+/// queue is rebuilt from the map when stale entries outnumber live ones.
 #[pyclass(module = "kvstrata_native")]
 struct Recency {
-    map: Ordered<f64>,
+    map: FxHashMap<u64, u64>, // hash -> sequence number of its last touch
+    queue: VecDeque<(u64, f64, u64)>, // (sequence, time, hash) in touch order
+    seq: u64,
+}
+
+impl Recency {
+    fn live(&self, seq: u64, h: u64) -> bool {
+        self.map.get(&h) == Some(&seq)
+    }
 }
 
 #[pymethods]
@@ -297,7 +340,9 @@ impl Recency {
     #[new]
     fn new() -> Self {
         Self {
-            map: Ordered::with_hasher(FxBuildHasher),
+            map: FxHashMap::default(),
+            queue: VecDeque::new(),
+            seq: 0,
         }
     }
 
@@ -309,20 +354,28 @@ impl Recency {
     fn touch(&mut self, hashes: &Bound<'_, PyAny>, now: f64) -> PyResult<()> {
         with_hashes(hashes, |hashes| {
             for &h in hashes {
-                match self.map.to_back(&h) {
-                    Some(t) => *t = now,
-                    None => {
-                        self.map.insert(h, now);
-                    }
-                }
+                self.seq += 1;
+                self.map.insert(h, self.seq);
+                self.queue.push_back((self.seq, now, h));
             }
-        })
+        })?;
+        if self.queue.len() > 2 * self.map.len() + 1024 {
+            let map = &self.map;
+            self.queue.retain(|&(seq, _, h)| map.get(&h) == Some(&seq));
+        }
+        Ok(())
     }
 
-    /// Drop the hashes touched before ``horizon`` (touched in time order); the count left.
+    /// Drop the hashes touched before ``horizon``; the count left.
     fn expire_before(&mut self, horizon: f64) -> usize {
-        while matches!(self.map.front(), Some((_, t)) if *t < horizon) {
-            self.map.pop_front();
+        while let Some(&(seq, t, h)) = self.queue.front() {
+            if t >= horizon {
+                break;
+            }
+            self.queue.pop_front();
+            if self.live(seq, h) {
+                self.map.remove(&h);
+            }
         }
         self.map.len()
     }
@@ -330,7 +383,12 @@ impl Recency {
     /// Drop the oldest hashes past ``limit``.
     fn trim(&mut self, limit: usize) {
         while self.map.len() > limit {
-            self.map.pop_front();
+            let Some((seq, _, h)) = self.queue.pop_front() else {
+                break;
+            };
+            if self.live(seq, h) {
+                self.map.remove(&h);
+            }
         }
     }
 }

@@ -163,3 +163,32 @@ def test_recency_expires_the_oldest_touches_first() -> None:
     r.touch([4, 5, 6], 6.0)
     r.trim(2)  # the oldest go: 2, then 4
     assert len(r) == 2 and r.expire_before(6.0) == 2
+
+
+def test_recency_follows_an_ordered_dict_on_random_operations() -> None:
+    rng = random.Random(9)
+    universe = [rng.getrandbits(64) for _ in range(40)]
+    for _ in range(20):
+        r, model = Recency(), OrderedDict[int, float]()
+        now = 0.0
+        for step in range(400):
+            now += rng.choice((0.0, 0.5, 1.0))
+            op = rng.randrange(3)
+            if op == 0:
+                start = rng.randrange(len(universe))
+                hs = universe[start : start + rng.randrange(1, 10)]
+                r.touch(array("Q", hs) if step % 2 else hs, now)
+                for h in hs:
+                    model[h] = now
+                    model.move_to_end(h)
+            elif op == 1:
+                horizon = now - rng.choice((0.5, 2.0, 5.0))
+                while model and next(iter(model.values())) < horizon:
+                    model.popitem(last=False)
+                assert r.expire_before(horizon) == len(model)
+            else:
+                limit = rng.randrange(0, 30)
+                r.trim(limit)
+                while len(model) > limit:
+                    model.popitem(last=False)
+            assert len(r) == len(model)
