@@ -409,9 +409,9 @@ class IncrementalEncoder:
 
     def finish(self, text: str, walked: Walk) -> Encoded:
         """Tokenize and hash what :meth:`walk` did not find (the costly part; runs in a thread for long
-        remainders), and cache its chunks."""
+        remainders), and cache its chunks. Extends ``walked.hashes`` in place: every walk returns a
+        fresh array, used by this one call."""
         pos, state, hashes, parent_id = walked
-        hashes = hashes[:]
         if parent_id < 0:  # not enabled: one whole encode
             got, end = self._extend(state, self.full_ids(text))
             return Encoded(end.tokens, got, 0)
@@ -442,8 +442,7 @@ class IncrementalEncoder:
         return Encoded(end.tokens, hashes, reused)
 
     def _remember(self, prefix: str, walked: Walk) -> None:
-        """Keep where a long prompt's chunks end, for the next turn that extends it (``prefix``: the
-        prompt, or any start of it that runs at least ctx characters past ``walked.pos``)."""
+        """Keep where a long prompt (``prefix``) ends its chunks, for the next turn that extends it."""
         key = prefix[:_RECENT_KEY_CHARS]
         with self._lock:
             recent = self._recent
