@@ -218,6 +218,7 @@ class Walk(NamedTuple):
     state: _State
     hashes: array[int]
     parent_id: int  # the last cached chunk's node (-1: the tokenizer is not cut)
+    base: str | None = None  # the remembered long prompt the walk started from (see _remember)
 
 
 class Encoded(NamedTuple):
@@ -375,6 +376,7 @@ class IncrementalEncoder:
         parent_id, state, pos = 0, self._root, 0
         hashes = chain()
         path: list[tuple[int, str]] = []
+        base: str | None = None
         if not self._lock.acquire(blocking):
             return None
         try:
@@ -385,7 +387,7 @@ class IncrementalEncoder:
                 best: Walk | None = None
                 for prefix, w in self._recent.get(text[:_RECENT_KEY_CHARS], ()):
                     if (best is None or w.pos > best.pos) and text.startswith(prefix):
-                        best = w
+                        best, base = w, prefix
                 if best is not None:
                     parent_id, state, pos, hashes = best.parent_id, best.state, best.pos, best.hashes[:]
             while True:
@@ -405,13 +407,13 @@ class IncrementalEncoder:
                 nodes.move_to_end(key)
         finally:
             self._lock.release()
-        return Walk(pos, state, hashes, parent_id)
+        return Walk(pos, state, hashes, parent_id, base)
 
     def finish(self, text: str, walked: Walk) -> Encoded:
         """Tokenize and hash what :meth:`walk` did not find (the costly part; runs in a thread for long
         remainders), and cache its chunks. Extends ``walked.hashes`` in place: every walk returns a
         fresh array, used by this one call."""
-        pos, state, hashes, parent_id = walked
+        pos, state, hashes, parent_id, base = walked
         if parent_id < 0:  # not enabled: one whole encode
             got, end = self._extend(state, self.full_ids(text))
             return Encoded(end.tokens, got, 0)
@@ -423,32 +425,50 @@ class IncrementalEncoder:
         bounds = [pos, *cuts, len(text)]
         pieces = [text[a:b] for a, b in pairwise(bounds)]
         all_ids = self._ids(pieces)
+        # One digest pass over all the new tokens, not one per piece; each piece's chain state is read
+        # off where its tokens end.
+        bs = self.block_size
+        before = state.tokens - len(state.leftover)  # tokens (whole blocks) before the leftover
+        tokens = list(state.leftover)
+        ends: list[int] = []
+        for ids in all_ids[:-1]:
+            tokens += ids
+            ends.append(len(tokens))
+        tokens += all_ids[-1]
+        tokens += self.suffix
+        digests = block_digests(tokens[: len(tokens) // bs * bs], bs, parent=state.last, algo=self.algo)
+        got = chain(map(to_external, digests))
         ctx = self._reach + 2
         new: list[tuple[str, array[int], _State, int]] = []
-        for a, piece, ids in zip(bounds, pieces[:-1], all_ids[:-1], strict=False):
-            got, state = self._extend(state, ids)
-            hashes += got
-            new.append((text[a : a + len(piece) + ctx], got, state, len(piece)))
+        last, done = state.last, 0
+        for a, b, stop in zip(bounds, bounds[1:], ends, strict=False):  # every piece but the last
+            full = stop // bs
+            if full:
+                last = digests[full - 1]
+            state = _State(before + stop, last, tuple(tokens[full * bs : stop]))
+            new.append((text[a : b + ctx], got[done:full], state, b - a))
+            done = full
+        hashes += got[:done]
         chunked = Walk(bounds[-2], state, hashes[:], parent_id)
-        got, end = self._extend(state, [*all_ids[-1], *self.suffix])
-        hashes += got
+        hashes += got[done:]
         if new:
             chunked = chunked._replace(parent_id=self._insert(parent_id, new))
         if chunked.pos > _RECENT_MIN_CHARS:
             # The whole prompt, by reference (slicing a 128K-token prompt copies ~0.5 MB per turn): a
             # prompt that starts with all of it shares the text the last cut depended on (at least
             # ctx characters follow a cut). One that diverges earlier walks the trie instead.
-            self._remember(text, chunked)
-        return Encoded(end.tokens, hashes, reused)
+            self._remember(text, chunked, base)
+        return Encoded(before + len(tokens), hashes, reused)
 
-    def _remember(self, prefix: str, walked: Walk) -> None:
-        """Keep where a long prompt (``prefix``) ends its chunks, for the next turn that extends it."""
+    def _remember(self, prefix: str, walked: Walk, base: str | None) -> None:
+        """Keep where a long prompt (``prefix``) ends its chunks, for the next turn that extends it.
+        ``base``: the remembered prompt its walk started from, which it supersedes (known to be a
+        prefix of it: no second comparison of ~0.5 MB per turn)."""
         key = prefix[:_RECENT_KEY_CHARS]
         with self._lock:
             recent = self._recent
             before = recent.pop(key, [])
-            # An earlier turn of this same prompt is superseded by it.
-            entries = [(p, w) for p, w in before if not prefix.startswith(p)]
+            entries = [(p, w) for p, w in before if p is not base]
             entries.insert(0, (prefix, walked))
             del entries[_RECENT_PER_KEY:]
             recent[key] = entries

@@ -38,9 +38,6 @@ _MEDIUM_BIT = {"GPU": GPU, "CPU": CPU, "STORAGE": STORAGE}
 # Prompts with at most this many known blocks re-point them to the new prediction (cheap); longer ones
 # hold the earlier predictions instead (Prediction.keepers).
 _REPOINT_BLOCKS = 64
-# A prediction held by more later ones than this folds their expiries into its own (bounds the work of
-# Prediction.until when many requests share one long, unconfirmed prefix).
-_MAX_KEEPERS = 32
 
 
 class Prediction:
@@ -49,7 +46,10 @@ class Prediction:
 
     A later prediction whose prompt holds this one's blocks (the next turn of a conversation) does not
     re-point them: it becomes one of this prediction's *keepers*, and the blocks live while this
-    prediction or any keeper does (:meth:`until`). So a turn costs work for its new blocks only."""
+    prediction or any keeper does, transitively (:meth:`until`). A turn holds only the earlier
+    predictions no other one it holds already keeps (in a conversation: the previous turn), so each
+    prediction has about one keeper per conversation that extends it, and a turn costs work for its
+    new blocks, not for every earlier turn."""
 
     __slots__ = ("dead", "endpoint", "expires", "hashes", "id", "keepers", "kept")
 
@@ -59,22 +59,24 @@ class Prediction:
         self.expires = expires
         self.hashes = hashes
         self.keepers: list[Prediction] = []  # later predictions that hold this one's blocks too
-        self.kept: list[Prediction] = []  # earlier predictions this one holds
+        self.kept: list[Prediction] = []  # earlier predictions this one holds directly
         self.dead = False
 
-    def hold(self, keeper: Prediction) -> None:
-        if len(self.keepers) >= _MAX_KEEPERS:
-            self.expires = max(self.expires, *(k.expires for k in self.keepers))
-            self.keepers = []
-        self.keepers.append(keeper)
-
-    def until(self, now: float) -> float:
-        """When this prediction's blocks expire: its own expiry or its latest live keeper's."""
+    def until(self) -> float:
+        """When this prediction's blocks expire: the latest expiry among it and its live keepers,
+        theirs, and so on (iterative: a conversation of thousands of turns is a chain that long)."""
         end = self.expires
-        if self.keepers:
-            self.keepers = [k for k in self.keepers if k.expires > now]
-            for k in self.keepers:
-                end = max(end, k.expires)
+        stack = [self]
+        seen = {self.id}
+        while stack:
+            p = stack.pop()
+            if p.keepers:
+                p.keepers = [k for k in p.keepers if not k.dead]
+                for k in p.keepers:
+                    if k.id not in seen:
+                        seen.add(k.id)
+                        end = max(end, k.expires)
+                        stack.append(k)
         return end
 
 
@@ -211,14 +213,13 @@ class BlockIndex:
         pred = Prediction(next(self._pred_ids), endpoint, now + ttl, hashes)
         added, olds = self._table(endpoint).predict(hashes, pred.id, _REPOINT_BLOCKS, touched)
         self._preds[pred.id] = pred
-        for pid in olds:
-            prev = self._preds.get(pid)
-            if prev is None:
-                continue
-            prev.hold(pred)
-            pred.kept.append(prev)
-            if pred.expires > prev.expires:
-                self._push(prev, pred.expires)
+        held = [p for pid in olds if (p := self._preds.get(pid)) is not None]
+        ids = {p.id for p in held}
+        for prev in held:
+            # Kept already by another prediction this one holds: held through it.
+            if not any(k.id in ids for k in prev.keepers):
+                prev.keepers.append(pred)
+                pred.kept.append(prev)
         self._size += added
         self._push(pred)
         self._enforce_bound()
@@ -226,14 +227,12 @@ class BlockIndex:
 
     def retime(self, pred: Prediction, ttl: float) -> None:
         """Give the blocks still held by ``pred`` (not confirmed, not predicted again since) a new
-        expiry ``ttl`` from now: O(1) in the prompt's length (one step per earlier prediction held)."""
+        expiry ``ttl`` from now: O(1) in the prompt's length and in the predictions it holds (those
+        are looked at again when it dies, see _expire)."""
         now = self._clock()
         self._expire(now)
         pred.expires = now + ttl
-        self._push(pred, pred.until(now))
-        for prev in pred.kept:
-            if not prev.dead:
-                self._push(prev, prev.until(now))
+        self._push(pred)
 
     def _push(self, pred: Prediction, when: float | None = None) -> None:
         heapq.heappush(self._predictions, (pred.expires if when is None else when, next(self._seq), pred))
@@ -262,7 +261,6 @@ class BlockIndex:
 
     def _compact_predictions(self) -> None:
         """Rebuild the heap from live predictions: refreshed ones leave stale records behind."""
-        now = self._clock()
         live: dict[int, list[int]] = {}
         for table in self._eps.values():
             for h, pid in table.predicted():
@@ -273,7 +271,7 @@ class BlockIndex:
             if pred is None:
                 continue
             pred.hashes = tuple(hs)
-            self._predictions.append((pred.until(now), next(self._seq), pred))
+            self._predictions.append((pred.until(), next(self._seq), pred))
         self._predicted_hashes = sum(len(p.hashes) for _, _, p in self._predictions)
         heapq.heapify(self._predictions)
 
@@ -284,12 +282,17 @@ class BlockIndex:
             self._predicted_hashes -= len(pred.hashes)
             if pred.dead:
                 continue
-            end = pred.until(now)
+            end = pred.until()
             if end > now:  # re-timed, or held by a later prediction: a record at its new end
                 heapq.heappush(preds, (end, next(self._seq), pred))
                 self._predicted_hashes += len(pred.hashes)
                 continue
             pred.dead = True
+            # What it held may have had a later record from when it was in flight: look again now.
+            for prev in pred.kept:
+                if not prev.dead:
+                    heapq.heappush(preds, (now, next(self._seq), prev))
+                    self._predicted_hashes += len(prev.hashes)
             pred.keepers, pred.kept = [], []
             self._preds.pop(pred.id, None)
             table = self._eps.get(pred.endpoint)

@@ -217,3 +217,36 @@ def test_history_is_bounded_and_fed_by_the_index_bound() -> None:
     assert churn.history([1, 2]) == {"a": 2}
     churn.drop_endpoint("c")
     assert all(not churn.history([h]) for h in range(10, 20))
+
+
+def test_long_conversation_turns_hold_the_earlier_ones_transitively() -> None:
+    """Prompts of more than 64 known blocks hold the earlier predictions instead of re-pointing their
+    blocks. Each turn holds only the previous one (which holds the rest), and the blocks of every turn
+    live while any later turn that extends it does; two conversations sharing a system prompt each keep
+    it alive."""
+    clock = Clock()
+    idx = BlockIndex(100_000, clock=clock)
+    system = list(range(1, 101))
+    a, b = [*system], [*system]
+    turns = []
+    for t in range(30):
+        a += range(1000 * (t + 2), 1000 * (t + 2) + 10)
+        pred = idx.predict("e", list(a), ttl=600)
+        assert pred is not None
+        assert len(pred.kept) <= 1  # the previous turn only (the first turn holds nothing)
+        idx.retime(pred, 5)
+        turns.append(pred)
+        clock.t += 1
+    b += range(500_000, 500_010)
+    other = idx.predict("e", list(b), ttl=600)  # a second conversation on the same system prompt
+    assert other is not None
+    # Turn 1 (the system prompt) was predicted 30 s ago with a 5 s TTL: alive through the later turns.
+    assert idx.lookup(a)["e"] == PrefixMatch(len(a), predicted=len(a))
+    clock.t += 6  # conversation a's last turn expired; b is in flight and holds a's first prediction
+    first = len(system) + 10  # (a prediction's blocks live or go together)
+    assert idx.lookup(a)["e"] == PrefixMatch(first, predicted=first)
+    assert idx.lookup(b)["e"] == PrefixMatch(len(b), predicted=len(b))
+    idx.retime(other, 5)
+    clock.t += 6
+    assert idx.lookup(b) == {} and len(idx) == 0
+    assert all(p.dead for p in [*turns, other])
