@@ -81,9 +81,11 @@ _CUT = re.compile(r"(?<=[A-Za-z0-9]) (?=[A-Za-z])")
 DEFAULT_CHUNK_CHARS = 1024
 DEFAULT_FIRST_CHUNK_CHARS = 256
 _FIRST_CHUNKS_UNTIL = 4096  # characters from the start cut in first-chunk sizes
-# The stretch after a prompt's last regular cut is cut this finely (see finish): a next turn re-tokenizes
-# at most about this many characters of the prompt it extends. Each such piece is a trie node.
+# A prompt's last cut is at most this far from its end (see finish): a next turn re-tokenizes about this
+# many characters of the prompt it extends.
 _TAIL_CHUNK_CHARS = 64
+# A batch of pieces is encoded in parallel only if the pieces besides its largest hold this many characters.
+_PARALLEL_MIN_CHARS = 256
 # Long prompts (over _RECENT_MIN_CHARS) remember where their chunks end, so that the next turn (a prompt
 # starting with the whole of one) skips the per-chunk walk: at most _RECENT_PER_KEY per first
 # _RECENT_KEY_CHARS characters, _RECENT_MAX_CHARS in all.
@@ -324,7 +326,13 @@ class IncrementalEncoder:
 
     # --- encoding --------------------------------------------------------------------------------
     def _ids(self, pieces: Sequence[str]) -> list[list[int]]:
-        return [e.ids for e in self.tokenizer.encode_batch_fast(list(pieces), add_special_tokens=False)]
+        tok = self.tokenizer
+        sizes = [len(p) for p in pieces]
+        if len(pieces) > 1 and sum(sizes) - max(sizes) >= _PARALLEL_MIN_CHARS:
+            return [e.ids for e in tok.encode_batch_fast(list(pieces), add_special_tokens=False)]
+        # All but one piece small (an extending turn: its new text and a short last piece): spreading
+        # the batch over the library's threads costs more (~40 µs) than it saves.
+        return [tok.encode_batch_fast([p], add_special_tokens=False)[0].ids for p in pieces]
 
     def full_ids(self, text: str) -> list[int]:
         """The ids of a whole-prompt encode (what the engine computes)."""
@@ -419,9 +427,16 @@ class IncrementalEncoder:
             return Encoded(end.tokens, got, 0)
         reused = pos
         cuts = list(self.cuts(text, pos))
-        # The unfinished tail is what a prompt extending this one tokenizes again: cut its last stretch
-        # in _TAIL_CHUNK_CHARS pieces too, so the next turn re-tokenizes only that much of it.
-        cuts += self.cuts(text, cuts[-1] if cuts else pos, step=_TAIL_CHUNK_CHARS)
+        # The piece after the last cut is what a prompt extending this one tokenizes again: one more cut
+        # within _TAIL_CHUNK_CHARS of the end, so the next turn re-tokenizes only that much of this one.
+        # (One cut, not a piece every _TAIL_CHUNK_CHARS: each piece costs the tokenizer call ~10 µs.)
+        start = cuts[-1] if cuts else pos
+        limit = len(text) - self._reach - 1
+        near_end = self._cut_at_or_after(text, max(start + 1, limit - _TAIL_CHUNK_CHARS), limit)
+        if near_end is not None:
+            cuts.append(near_end)
+        else:  # no safe cut that near the end: the finer cuts before it
+            cuts += self.cuts(text, start, step=_TAIL_CHUNK_CHARS)
         bounds = [pos, *cuts, len(text)]
         pieces = [text[a:b] for a, b in pairwise(bounds)]
         all_ids = self._ids(pieces)
