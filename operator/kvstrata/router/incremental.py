@@ -58,7 +58,14 @@ from typing import Any, NamedTuple
 from tokenizers import Tokenizer
 
 from kvstrata.api.router_config import DEFAULT_HASH_ALGO, HashAlgo
-from kvstrata.router.hashing import NONE_HASHES, block_digests, chain, check_algo, to_external
+from kvstrata.router.hashing import (
+    NONE_HASHES,
+    block_digests,
+    block_hashes,
+    chain,
+    check_algo,
+    to_external,
+)
 
 log = logging.getLogger("kvstrata.router.incremental")
 
@@ -358,15 +365,6 @@ class IncrementalEncoder:
                     return False
         return True
 
-    def _extend(self, state: _State, ids: Sequence[int]) -> tuple[array[int], _State]:
-        bs = self.block_size
-        tokens = state.leftover + tuple(ids)
-        full = len(tokens) // bs * bs
-        if not full:
-            return chain(), _State(state.tokens + len(ids), state.last, tokens)
-        digests = block_digests(tokens[:full], bs, parent=state.last, algo=self.algo)
-        return chain(map(to_external, digests)), _State(state.tokens + len(ids), digests[-1], tokens[full:])
-
     def encode(self, text: str) -> Encoded:
         """(tokens, block hashes, characters reused) of ``text``, as a whole encode + hash would give."""
         walked = self.walk(text)
@@ -422,9 +420,9 @@ class IncrementalEncoder:
         remainders), and cache its chunks. Extends ``walked.hashes`` in place: every walk returns a
         fresh array, used by this one call."""
         pos, state, hashes, parent_id, base = walked
-        if parent_id < 0:  # not enabled: one whole encode
-            got, end = self._extend(state, self.full_ids(text))
-            return Encoded(end.tokens, got, 0)
+        if parent_id < 0:  # not enabled: one whole encode, hashed from the root
+            ids = self.full_ids(text)
+            return Encoded(len(ids), block_hashes(ids, self.block_size, self.algo), 0)
         reused = pos
         cuts = list(self.cuts(text, pos))
         # The piece after the last cut is what a prompt extending this one tokenizes again: one more cut
