@@ -153,6 +153,29 @@ def default_tier_weights(device: Literal["gpu", "cpu"]) -> TierWeights:
     return TierWeights()
 
 
+class AdmissionSettings(_Wire):
+    """Holding requests in the router while their engine's KV pool has no room (router/admission.py)."""
+
+    enabled: bool = Field(
+        True,
+        description="Hold a request whose engine's pool is full of this router's running requests, and "
+        "send each engine the held request it can serve cheapest when room frees, instead of queueing "
+        "everything first come, first served in the engine",
+    )
+    max_hold_seconds: float | None = Field(
+        None,
+        gt=0,
+        description="Longest a request is held before it goes to its engine's own queue anyway; "
+        "default a third of firstByteTimeoutSeconds",
+    )
+    assumed_output_tokens: int = Field(
+        256,
+        ge=0,
+        description="Output tokens counted for a request that sets no max_tokens (its blocks grow as it "
+        "decodes)",
+    )
+
+
 class RouterSettings(_Wire):
     model: str = Field(description="Served model name engines answer to")
     tokenizer: str | None = Field(None, description="Directory with tokenizer.json (+ tokenizer_config.json)")
@@ -295,6 +318,7 @@ class RouterSettings(_Wire):
     body_read_timeout_seconds: float = Field(
         30.0, gt=0, description="A request body must arrive within this once its head has (408 past it)"
     )
+    admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     admin_port: int | None = Field(
         None,
         ge=1,

@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 
 from kvstrata.api.router_config import RouterSettings
+from kvstrata.router.admission import Gate, GateDeps
 from kvstrata.router.decision import Decision
 from kvstrata.router.hashing import block_hashes, char_block_hashes, check_algo
 from kvstrata.router.index import BlockIndex, PrefixMatch
@@ -100,10 +101,26 @@ class Router:
         self.scorers: list[tuple[Scorer, float]] = build_scorers(settings)
         self.bounded = BoundedLoadFilter(settings.bounded_load_factor, settings.bounded_load_slack)
         self.policy = POLICIES[settings.policy](self)
+        adm = settings.admission
+        self.gate = Gate(
+            adm,
+            adm.max_hold_seconds or settings.first_byte_timeout_seconds / 3,
+            GateDeps(
+                lookup=self.index.lookup,
+                tiers=settings.tier_weights,
+                block_size=settings.block_size,
+                usable=lambda ep: ep.healthy and not self.outlier.ejected(ep),
+                silent=lambda ep: not self.heard(ep, time.monotonic()),
+                endpoints=self.pool.all,
+                commit=self.commit,
+                moved=self._moved,
+            ),
+        )
         self._token_cache: OrderedDict[str, tuple[int, array[int]]] = OrderedDict()
         self._remote_off_until = 0.0
         self.pool.subscribe(lambda ep: None, self._forget)
         metrics.bind_index(lambda: len(self.index), lambda: self.index.evictions)
+        metrics.held.set_function(self.gate.held)
         metrics.bind_endpoints(
             lambda: len(self.pool.healthy()),
             lambda: len(self.pool) - len(self.pool.healthy()),
@@ -427,12 +444,13 @@ class Router:
         return Reason.TIE_HASH
 
     def commit(self, decision: Decision, ep: Endpoint) -> None:
-        """Called when a request is sent to ``ep``: it counts as recent traffic there, and its prompt
-        blocks will be cached there.
+        """Called when a request is sent to ``ep`` (or starts waiting for it, router/admission.py): it
+        counts as recent traffic there, and its prompt blocks will be cached there.
 
         The prediction holds until the request's prefill is over (:meth:`settle`): under load a prefill
         can outlast any fixed TTL, and a prediction that expires first sends the next request of the same
         prefix elsewhere, which recomputes it (seen in `make bench-router` at TTFT > 5 s)."""
+        decision.committed = ep
         if decision.routed:
             now = time.monotonic()
             hashes = () if decision.approximate else decision.hashes
@@ -452,6 +470,13 @@ class Router:
                 self.settings.upstream_timeout_seconds,
                 touched=m.blocks if m is not None else 0,  # the lookup touched those just now
             )
+
+    def _moved(self, decision: Decision, ep: Endpoint) -> None:
+        """A held request goes elsewhere than it waited for: the blocks predicted at its home will not
+        come (expire them now, unless events confirmed them meanwhile)."""
+        if decision.prediction is not None:
+            self.index.retime(decision.prediction, 0.0)
+            decision.prediction = None
 
     def settle(self, decision: Decision, ep: Endpoint) -> None:
         """The request's prefill is over (first token, or the attempt ended): the engine's events now

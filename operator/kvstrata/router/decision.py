@@ -24,6 +24,8 @@ class Decision:
     routed: bool = True
     # The index prediction of the last attempt (commit), re-timed when its prefill is over (settle).
     prediction: Prediction | None = None
+    # The endpoint the last commit counted it on (a held request is committed when it starts waiting).
+    committed: Endpoint | None = None
     # What the scorers ranked (kv-aware decisions): a retry ranks the endpoints left again on it.
     request: RouteRequest | None = None
 

@@ -139,6 +139,19 @@ class RouterMetrics:
             ["error"],
             registry=r,
         )
+        self.admissions = Counter(
+            f"{p}_admissions",
+            "Routed requests by how they got their engine: direct, queued (held until its engine had "
+            "room), stolen (held, then sent to another engine that serves it as cheaply), expired (held "
+            "maxHoldSeconds), ungated",
+            ["how"],
+            registry=r,
+        )
+        self.hold_seconds = Histogram(
+            f"{p}_hold_seconds", "Time held in the router for KV room (held requests only)",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.held = Gauge(f"{p}_held", "Requests held now for KV room on their engine", registry=r)
         self._affinity = 0
         self._decided = 0
         self._decision_children: dict[str, Counter] = {}
@@ -181,6 +194,11 @@ class RouterMetrics:
         if reason in AFFINITY_REASONS:
             self._affinity += 1
         self.affinity_share.set(self._affinity / self._decided)
+
+    def admitted(self, how: str, held_s: float) -> None:
+        self.admissions.labels(how).inc()
+        if held_s > 0:
+            self.hold_seconds.observe(held_s)
 
     def bind_index(self, size: Callable[[], float], evictions: Callable[[], float]) -> None:
         self.index_blocks.set_function(size)

@@ -37,6 +37,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvstrata.router.admission import Claim, Grant
 from kvstrata.router.bodies import read_body
 from kvstrata.router.core import Decision, NoEndpoints, Router
 from kvstrata.router.errors import json_error, sse_error
@@ -117,6 +118,9 @@ class _Call:
     headers: dict[str, str]
     decision: Decision
     stream: bool
+    grant: Grant
+    blocks: int | None  # KV blocks it pins where it runs (router/admission.py), None if unknown
+    claim: Claim | None = None  # the admission's claim, until the first try takes it over
     tries: int = 0  # sent so far (x-kvstrata-attempts, as Envoy's x-envoy-attempt-count)
 
 
@@ -172,7 +176,9 @@ class Proxy:
             decision = await self.router.decide(parsed, session_id)
         except (NoEndpoints, AllEjected) as exc:
             return self._no_endpoints(exc)
-        return await self._forward(request, raw, decoded, decision, stream=parsed.stream)
+        return await self._forward(
+            request, raw, decoded, decision, stream=parsed.stream, output_tokens=parsed.output_tokens()
+        )
 
     # --- everything else an engine serves --------------------------------------------------------
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
@@ -192,13 +198,40 @@ class Proxy:
         )
 
     async def _forward(
-        self, request: web.Request, raw: bytes, decoded: bool, decision: Decision, *, stream: bool
+        self,
+        request: web.Request,
+        raw: bytes,
+        decoded: bool,
+        decision: Decision,
+        *,
+        stream: bool,
+        output_tokens: int | None = None,
     ) -> web.StreamResponse:
-        tries = self.settings.max_retries + 1
+        gate = self.router.gate
+        blocks = gate.size(decision, output_tokens)
+        grant = await gate.admit(decision, output_tokens)
+        self.metrics.admitted(grant.how, grant.held_s)
         call = _Call(
-            request, raw, request.rel_url.raw_path_qs, _request_headers(request, decoded), decision, stream
+            request,
+            raw,
+            request.rel_url.raw_path_qs,
+            _request_headers(request, decoded),
+            decision,
+            stream,
+            grant,
+            blocks,
+            grant.claim,
         )
-        left = list(decision.order)
+        try:
+            return await self._tries(call)
+        finally:
+            gate.release(call.claim)  # only if no try took it (a failure before the first)
+
+    async def _tries(self, call: _Call) -> web.StreamResponse:
+        decision = call.decision
+        tries = self.settings.max_retries + 1
+        first = call.grant.endpoint
+        left = [first, *(ep for ep in decision.order if ep is not first)]
         last: Failed | None = None
         while left and call.tries < tries:
             if last is not None:
@@ -233,6 +266,8 @@ class Proxy:
             "x-kvstrata-endpoint": ep.url,
             "x-kvstrata-predicted-cached-tokens": str(decision.predicted_cached_tokens(ep, self.block_size)),
             "x-kvstrata-reason": decision.reason,
+            "x-kvstrata-admission": call.grant.how,
+            "x-kvstrata-held-ms": str(round(call.grant.held_s * 1000)),
         }
 
     def _any_live(self, eps: list[Endpoint]) -> bool:
@@ -245,7 +280,12 @@ class Proxy:
         (nothing was sent; the caller may try the next endpoint)."""
         decision = call.decision
         call.tries += 1
-        self.router.commit(decision, ep)
+        if decision.committed is not ep:
+            self.router.commit(decision, ep)
+        claim, call.claim = call.claim, None
+        if claim is None or claim.endpoint is not ep:
+            self.router.gate.release(claim)
+            claim = self.router.gate.claim(ep, decision, call.blocks)
         ep.in_flight += 1
         prefill = PrefillTicket(ep, decision.uncached_tokens(ep, self.block_size))
         t0 = time.perf_counter()
@@ -258,6 +298,7 @@ class Proxy:
             raise
         finally:
             ep.in_flight -= 1
+            self.router.gate.release(claim)
             self._prefill_over(prefill, decision, ep)
             done = outcome in (Outcome.OK, Outcome.STREAM_OK)
             self.metrics.request_done(ep.url, outcome, time.perf_counter() - t0 if done else None)
@@ -458,6 +499,7 @@ class Proxy:
                 "probation": st.probation,
                 "inFlight": ep.in_flight,
                 "pendingPrefillTokens": ep.pending_prefill,
+                "admittedBlocks": router.gate.in_flight_blocks(ep),
                 "recentRequests": round(router.recent_requests(ep, now), 3),
                 "running": ep.running,
                 "waiting": ep.waiting,
@@ -474,6 +516,7 @@ class Proxy:
             "policy": router.settings.policy,
             "indexBlocks": len(router.index),
             "indexEvictions": router.index.evictions,
+            "heldRequests": router.gate.held(),
             "endpoints": endpoints,
             "staleIndexEndpoints": stale,
             "incrementalTokenization": router.tokenizer_state(),

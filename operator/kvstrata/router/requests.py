@@ -45,6 +45,15 @@ class ParsedRequest:
     # tokenizer pool and enforces maxPromptChars.
     size: int = 0
 
+    def output_tokens(self) -> int | None:
+        """The most tokens the request may generate (``max_tokens`` or ``max_completion_tokens``, times
+        ``n``), or None when it sets no bound. Malformed values are the engine's to refuse."""
+        limit = self.body.get("max_completion_tokens", self.body.get("max_tokens"))
+        n = self.body.get("n", 1)
+        if not isinstance(limit, int) or isinstance(limit, bool):
+            return None
+        return limit * (n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1)
+
     def routing_text(self) -> str:
         """The prompt as plain text, for the character-block fallback and the prefix-hash policy."""
         if self.text is not None:

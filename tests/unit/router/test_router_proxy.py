@@ -39,6 +39,7 @@ class Fake:
     cancelled: int = 0
     runner: web.AppRunner | None = None
     url: str = ""
+    release: asyncio.Event = field(default_factory=asyncio.Event)  # mode "wait": answers once set
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         self.bodies.append(await request.read())
@@ -71,6 +72,8 @@ class Fake:
                     raise
             await resp.write(b"data: [DONE]\n\n")
             return resp
+        if self.mode == "wait":
+            await self.release.wait()
         if self.mode == "slow":
             try:
                 await asyncio.sleep(30)
@@ -426,3 +429,27 @@ async def test_oversized_body_gets_an_openai_error(
     status, headers, raw = await h.post("/v1/completions", b"x" * (64 * 1024**2 + 1))
     assert status == 413 and headers["Content-Type"].startswith("application/json")
     assert json.loads(raw)["error"]["code"] == "body_too_large"
+
+
+async def test_a_request_without_kv_room_is_held_then_sent_with_its_claim_given_back(
+    make_router: RouterFactory, fakes: Callable[..., Any]
+) -> None:
+    (a,) = await fakes("wait")
+    h = await make_router([a.url])
+    router = h.svc.router
+    assert router is not None
+    (ep,) = router.pool.all()
+    ep.kv_blocks = 10  # as a scrape of vllm:cache_config_info would set it
+    ids = [{"prompt": list(range(i * 1000, i * 1000 + 8 * 32)), "max_tokens": 4} for i in range(2)]
+    first = asyncio.ensure_future(h.post("/v1/completions", completion(**ids[0])))
+    await asyncio.sleep(0.2)
+    second = asyncio.ensure_future(h.post("/v1/completions", completion(**ids[1])))
+    await asyncio.sleep(0.2)
+    assert len(a.bodies) == 1 and router.gate.held() == 1  # 9 + 9 blocks do not fit in 10
+    a.release.set()
+    (s1, h1, _), (s2, h2, _) = await asyncio.wait_for(asyncio.gather(first, second), 5)
+    assert (s1, h1["x-kvstrata-admission"]) == (200, "direct")
+    assert (s2, h2["x-kvstrata-admission"]) == (200, "queued") and int(h2["x-kvstrata-held-ms"]) >= 150
+    assert router.gate.in_flight_blocks(ep) == 0 and router.gate.held() == 0
+    metrics = await (await h.client.get(h.base + "/metrics")).text()
+    assert 'kvstrata_router_admissions_total{how="queued"} 1.0' in metrics

@@ -1,0 +1,280 @@
+"""Admission: the engine's waiting queue, held in the router while the router can still choose.
+
+An engine whose KV pool is full of its running requests' blocks cannot start another request: vLLM
+queues it first come, first served, and with chunked prefill it may start several and then preempt
+(recompute) one when the pool runs out. Under memory pressure that queue decides the hit rate: while a
+follow-up waits behind a cold prompt, the cold prompt's prefill evicts the follow-up's cached prefix
+(seen in the family benchmark: the index predicted 71 % cached, the engines served 32 %, at one
+running request per engine).
+
+So a request whose engine has no room for it is held here instead, and when room frees the engine gets
+the held request that costs it the least prefill now (its cached prefix is still there: serve it before
+something evicts it), oldest first among equals. A held request whose prefix no engine holds better goes
+to whichever engine frees room first (*stolen*), since moving it loses no hit. Nothing is held longer
+than ``maxHoldSeconds``: then it goes to its engine's own queue, as it would have without the gate.
+
+*Room* is this router's own count: the distinct blocks its in-flight requests pin on the engine (a
+prefix shared by several counts once), plus each one's output, against the pool size the engine reports
+(``num_gpu_blocks``). Nothing is held while an engine has nothing of ours in flight, or its pool size
+is unknown, or the request's size is (character-block fallback). With several router replicas each
+counts only its own requests; the engine's queue takes the rest, as without the gate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import time
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from kvstrata.api.router_config import AdmissionSettings, TierWeights
+from kvstrata.router.decision import Decision
+from kvstrata.router.index import PrefixMatch
+from kvstrata.router.pool import Endpoint
+from kvstrata.router.scoring import credited_blocks, uncached_tokens
+
+__all__ = ["Admitted", "Claim", "Gate", "Grant"]
+
+log = logging.getLogger("kvstrata.router.admission")
+
+# How often a held request looks again without being woken (an ejection, a scrape that learned a pool
+# size): a wake-up comes with every release, so this only bounds staleness.
+_RECHECK_S = 0.5
+
+
+class Admitted(StrEnum):
+    """How a request got its engine (the ``x-kvstrata-admission`` header and the metric's label)."""
+
+    DIRECT = "direct"  # its engine had room at once
+    QUEUED = "queued"  # held until its engine had room
+    STOLEN = "stolen"  # held, then sent to another engine with room that holds as much of its prompt
+    EXPIRED = "expired"  # held maxHoldSeconds, then sent to its engine's own queue
+    UNGATED = "ungated"  # not held: gate off, size or pool unknown, or not a routed request
+
+
+@dataclass(eq=False, slots=True)
+class Claim:
+    """A request's blocks on one engine while it runs there."""
+
+    endpoint: Endpoint
+    hashes: Sequence[int]
+    blocks: int  # every block it pins: its prompt's full blocks, the partial last one, its output's
+    _key: bytes | None = None
+
+    @property
+    def key(self) -> bytes:
+        """The block hashes as bytes: prompts that share k leading blocks share 8k leading bytes."""
+        if self._key is None:
+            h = self.hashes
+            self._key = (h if isinstance(h, array) else array("Q", h)).tobytes()
+        return self._key
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    endpoint: Endpoint
+    how: Admitted
+    held_s: float
+    claim: Claim | None
+
+
+@dataclass(eq=False, slots=True)
+class _Waiter:
+    decision: Decision
+    home: Endpoint
+    claim_blocks: int
+    since: float
+    future: asyncio.Future[Grant]
+    keys: dict[str, float] = field(default_factory=dict)  # cost per endpoint URL, this pump
+
+
+def _common_blocks(a: bytes, b: bytes) -> int:
+    """Leading blocks two claims share (binary search on slice equality: C-speed compares)."""
+    lo, hi = 0, min(len(a), len(b)) // 8
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[: mid * 8] == b[: mid * 8]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def distinct_blocks(claims: Sequence[Claim]) -> int:
+    """Blocks the claims pin together: a prefix shared by several counts once.
+
+    Block hashes are chained, so the claims' prompts form a trie; sorted, its size is the sum of the
+    lengths less what each shares with its predecessor."""
+    if len(claims) < 2:
+        return sum(c.blocks for c in claims)
+    ordered = sorted(claims, key=lambda c: c.key)
+    total = ordered[0].blocks
+    for prev, cur in itertools.pairwise(ordered):
+        total += cur.blocks - _common_blocks(prev.key, cur.key)
+    return total
+
+
+@dataclass(slots=True)
+class GateDeps:
+    """What the gate reads from the router: the index, the tier credit, and whether an engine is in
+    rotation and heard from (a held request never waits on an ejected or silent engine)."""
+
+    lookup: Callable[[Sequence[int]], dict[str, PrefixMatch]]
+    tiers: TierWeights
+    block_size: int
+    usable: Callable[[Endpoint], bool]  # in rotation (not ejected)
+    silent: Callable[[Endpoint], bool]  # not heard from lately: likely wedged
+    endpoints: Callable[[], list[Endpoint]]
+    # A request starts waiting for ``home``: it counts as routed there (the index predicts its blocks
+    # there, so the rest of its prefix group follows it instead of spreading while it waits).
+    commit: Callable[[Decision, Endpoint], None]
+    # A held request left its home for another engine: its prediction at the home is void.
+    moved: Callable[[Decision, Endpoint], None]
+
+
+class Gate:
+    def __init__(self, settings: AdmissionSettings, max_hold_s: float, deps: GateDeps) -> None:
+        self.settings = settings
+        self.max_hold_s = max_hold_s
+        self.deps = deps
+        self._claims: dict[str, list[Claim]] = {}
+        self._waiting: list[_Waiter] = []
+
+    # --- bookkeeping -----------------------------------------------------------------------------
+    def size(self, decision: Decision, output_tokens: int | None) -> int | None:
+        """Blocks the request will pin, or None when its token count is unknown."""
+        if decision.prompt_tokens is None or decision.approximate:
+            return None
+        out = self.settings.assumed_output_tokens if output_tokens is None else max(output_tokens, 0)
+        return math.ceil((decision.prompt_tokens + out) / self.deps.block_size)
+
+    def claim(self, ep: Endpoint, decision: Decision, blocks: int | None) -> Claim | None:
+        """Count a request's blocks on ``ep`` until :meth:`release` (a retry claims where it goes)."""
+        if blocks is None:
+            return None
+        c = Claim(ep, decision.hashes, blocks)
+        self._claims.setdefault(ep.url, []).append(c)
+        return c
+
+    def release(self, claim: Claim | None) -> None:
+        if claim is None:
+            return
+        claims = self._claims.get(claim.endpoint.url)
+        if claims is not None and claim in claims:
+            claims.remove(claim)
+        if self._waiting:
+            self.pump()
+
+    def in_flight_blocks(self, ep: Endpoint) -> int:
+        return distinct_blocks(self._claims.get(ep.url, ()))
+
+    def held(self) -> int:
+        return len(self._waiting)
+
+    def fits(self, ep: Endpoint, blocks: int, hashes: Sequence[int] = ()) -> bool:
+        """Room for ``blocks`` more on ``ep``: always when nothing of ours runs there or its pool is
+        unknown (a request larger than the pool must still run, and the engine says if it cannot)."""
+        claims = self._claims.get(ep.url)
+        if not claims or ep.kv_blocks <= 0:
+            return True
+        pool = ep.kv_blocks
+        if sum(c.blocks for c in claims) + blocks <= pool:
+            return True  # the cheap bound: shared prefixes counted as often as they are pinned
+        return distinct_blocks([*claims, Claim(ep, hashes, blocks)]) <= pool
+
+    # --- admission -------------------------------------------------------------------------------
+    async def admit(self, decision: Decision, output_tokens: int | None) -> Grant:
+        """The engine this request goes to first, when it may go: at once where its best engine has
+        room, else when room frees somewhere that serves it as well (or after ``maxHoldSeconds``)."""
+        home = decision.order[0]
+        blocks = self.size(decision, output_tokens)
+        if not self.settings.enabled or blocks is None or decision.request is None:
+            return Grant(home, Admitted.UNGATED, 0.0, self.claim(home, decision, blocks))
+        if not self._waiting_for(home) and self.fits(home, blocks, decision.hashes):
+            return Grant(home, Admitted.DIRECT, 0.0, self.claim(home, decision, blocks))
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(decision, home, blocks, time.monotonic(), loop.create_future())
+        self._waiting.append(waiter)
+        self.deps.commit(decision, home)
+        log.debug("hold %s blocks=%d at %s (%d held)", decision.reason, blocks, home.url, len(self._waiting))
+        self.pump()
+        try:
+            while not waiter.future.done():
+                left = waiter.since + self.max_hold_s - time.monotonic()
+                if left <= 0:
+                    self._grant(waiter, waiter.home, Admitted.EXPIRED)
+                    break
+                await asyncio.wait((waiter.future,), timeout=min(left, _RECHECK_S))
+                if not waiter.future.done():
+                    self.pump()
+            return waiter.future.result()
+        except asyncio.CancelledError:
+            # The client left while held, or just after its grant: give back what was granted.
+            if waiter in self._waiting:
+                self._waiting.remove(waiter)
+            elif waiter.future.done() and not waiter.future.cancelled():
+                self.release(waiter.future.result().claim)
+            raise
+
+    def _waiting_for(self, ep: Endpoint) -> bool:
+        return any(w.home is ep for w in self._waiting)
+
+    def _grant(self, waiter: _Waiter, ep: Endpoint, how: Admitted) -> None:
+        self._waiting.remove(waiter)
+        if ep is not waiter.home:
+            self.deps.moved(waiter.decision, ep)
+        held = time.monotonic() - waiter.since
+        claim = self.claim(ep, waiter.decision, waiter.claim_blocks)
+        log.debug("%s after %.3fs -> %s", how, held, ep.url)
+        waiter.future.set_result(Grant(ep, how, held, claim))
+
+    def _cost(self, waiter: _Waiter, ep: Endpoint, matches: dict[str, PrefixMatch]) -> float:
+        """Prompt tokens ``ep`` must compute for the waiter now: what it holds (not what the router
+        predicted, which may be the waiter's own claim) or what our in-flight requests there are
+        computing (they will hold it by the time this one runs)."""
+        m = matches.get(ep.url)
+        held = credited_blocks(m._replace(predicted=0), self.deps.tiers) if m else 0.0
+        key = Claim(ep, waiter.decision.hashes, 0).key
+        running = max((_common_blocks(key, c.key) for c in self._claims.get(ep.url, ())), default=0)
+        d = waiter.decision
+        return uncached_tokens(d.prompt_tokens, len(d.hashes), max(held, running), self.deps.block_size)
+
+    def pump(self) -> None:
+        """Send held requests where there is room: each engine its cheapest waiter (its own first,
+        then one that costs it no more than its home would), until nothing more fits."""
+        if not self._waiting:
+            return
+        usable = [ep for ep in self.deps.endpoints() if self.deps.usable(ep)]
+        for w in self._waiting:
+            matches = self.deps.lookup(w.decision.hashes)
+            w.keys = {ep.url: self._cost(w, ep, matches) for ep in usable}
+        bs = self.deps.block_size
+        progress = True
+        while progress and self._waiting:
+            progress = False
+            for ep in usable:
+                mine = [w for w in self._waiting if w.home is ep]
+                if mine:
+                    best = min(mine, key=lambda w: (w.keys.get(ep.url, math.inf), w.since))
+                    if self.fits(ep, best.claim_blocks, best.decision.hashes):
+                        self._grant(best, ep, Admitted.QUEUED)
+                        progress = True
+                    continue
+                # No request of its own waits: take one that loses nothing by running here.
+                movable = [
+                    w
+                    for w in self._waiting
+                    if not self.deps.usable(w.home)
+                    or self.deps.silent(w.home)
+                    or w.keys.get(ep.url, math.inf) <= w.keys.get(w.home.url, math.inf) + bs
+                ]
+                if movable:
+                    best = min(movable, key=lambda w: (w.keys.get(ep.url, math.inf), w.since))
+                    if self.fits(ep, best.claim_blocks, best.decision.hashes):
+                        self._grant(best, ep, Admitted.STOLEN)
+                        progress = True

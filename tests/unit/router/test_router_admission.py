@@ -1,0 +1,199 @@
+"""The admission gate (router/admission.py): who is held, who goes first when room frees, who moves.
+
+The gate is exercised alone with a dictionary standing in for the index (what each engine holds), and
+once through the real router app over loopback HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+from array import array
+from collections.abc import Sequence
+
+import pytest
+
+from kvstrata.api.router_config import AdmissionSettings, TierWeights
+from kvstrata.router.admission import Admitted, Claim, Gate, GateDeps, distinct_blocks
+from kvstrata.router.decision import Decision
+from kvstrata.router.index import PrefixMatch
+from kvstrata.router.pool import Endpoint, EndpointSpec
+from kvstrata.router.reasons import Reason
+from kvstrata.router.scoring import RouteRequest
+
+BS = 32
+
+
+def hashes(prefix: int, n: int) -> array[int]:
+    """``n`` block hashes of a prompt whose prefix group is ``prefix`` (chained: a group shares all)."""
+    return array("Q", [prefix * 1000 + i for i in range(n)])
+
+
+class World:
+    """Endpoints, what each holds (a stand-in for the index) and the gate's record of moves."""
+
+    def __init__(self, *pools: int, max_hold_s: float = 30.0) -> None:
+        self.eps = [Endpoint(EndpointSpec(f"http://e{i}"), kv_blocks=p) for i, p in enumerate(pools)]
+        self.held: dict[str, set[int]] = {ep.url: set() for ep in self.eps}
+        self.down: set[str] = set()
+        self.silent: set[str] = set()
+        self.committed: list[str] = []
+        self.moved: list[str] = []
+        deps = GateDeps(
+            lookup=self.lookup,
+            tiers=TierWeights(),
+            block_size=BS,
+            usable=lambda ep: ep.url not in self.down,
+            silent=lambda ep: ep.url in self.silent,
+            endpoints=lambda: list(self.eps),
+            commit=lambda d, ep: self.committed.append(ep.url),
+            moved=lambda d, ep: self.moved.append(ep.url),
+        )
+        self.gate = Gate(AdmissionSettings(), max_hold_s, deps)
+
+    def lookup(self, hs: Sequence[int]) -> dict[str, PrefixMatch]:
+        out = {}
+        for url, held in self.held.items():
+            n = 0
+            while n < len(hs) and hs[n] in held:
+                n += 1
+            if n:
+                out[url] = PrefixMatch(n, gpu=n)
+        return out
+
+    def decision(self, hs: array[int], home: int, tokens: int | None = None) -> Decision:
+        order = [self.eps[home], *(ep for i, ep in enumerate(self.eps) if i != home)]
+        n = len(hs) * BS if tokens is None else tokens
+        return Decision(order, Reason.PREFIX, hs, prompt_tokens=n, request=RouteRequest(hs))
+
+
+def test_shared_prefixes_count_once() -> None:
+    ep = Endpoint(EndpointSpec("http://e"))
+    a = Claim(ep, hashes(1, 10), 11)
+    b = Claim(ep, array("Q", [*hashes(1, 6), 77, 78]), 9)  # shares 6 blocks with a
+    c = Claim(ep, hashes(2, 4), 5)
+    assert distinct_blocks([a]) == 11
+    assert distinct_blocks([a, b, c]) == 11 + 9 - 6 + 5
+    assert distinct_blocks([c, b, a]) == distinct_blocks([a, b, c])
+
+
+async def test_a_request_waits_for_room_and_takes_it_when_freed() -> None:
+    w = World(10)
+    first = await w.gate.admit(w.decision(hashes(1, 8), 0), 0)
+    assert first.how is Admitted.DIRECT and w.gate.in_flight_blocks(w.eps[0]) == 8
+    pending = asyncio.ensure_future(w.gate.admit(w.decision(hashes(2, 8), 0), 0))
+    await asyncio.sleep(0.05)
+    assert not pending.done() and w.gate.held() == 1
+    assert w.committed == ["http://e0"]  # counted at its engine while it waits
+    w.gate.release(first.claim)
+    grant = await asyncio.wait_for(pending, 1)
+    assert grant.how is Admitted.QUEUED and grant.endpoint is w.eps[0] and grant.held_s > 0
+    assert w.gate.held() == 0 and w.gate.in_flight_blocks(w.eps[0]) == 8
+
+
+async def test_a_prefix_group_fits_where_its_copies_would_not() -> None:
+    w = World(12)
+    a = await w.gate.admit(w.decision(hashes(1, 8), 0), 0)
+    # The same 8-block prefix plus 2 of its own: 10 distinct blocks in all, under the pool of 12.
+    b = await w.gate.admit(w.decision(array("Q", [*hashes(1, 8), 5, 6]), 0), 0)
+    assert a.how is b.how is Admitted.DIRECT
+
+
+async def test_when_room_frees_the_cached_prompt_goes_before_an_older_cold_one() -> None:
+    w = World(10)
+    running = await w.gate.admit(w.decision(hashes(1, 8), 0), 0)
+    cold = asyncio.ensure_future(w.gate.admit(w.decision(hashes(2, 8), 0), 0))
+    await asyncio.sleep(0.01)
+    w.held["http://e0"].update(hashes(3, 8))  # the engine holds the follow-up's prefix
+    warm = asyncio.ensure_future(w.gate.admit(w.decision(hashes(3, 8), 0), 0))
+    await asyncio.sleep(0.01)
+    w.gate.release(running.claim)
+    await asyncio.sleep(0.01)
+    assert warm.done() and not cold.done()
+    w.gate.release(warm.result().claim)
+    assert (await asyncio.wait_for(cold, 1)).how is Admitted.QUEUED
+
+
+async def test_equal_costs_go_first_come_first_served() -> None:
+    w = World(10)
+    running = await w.gate.admit(w.decision(hashes(1, 8), 0), 0)
+    one = asyncio.ensure_future(w.gate.admit(w.decision(hashes(2, 8), 0), 0))
+    await asyncio.sleep(0.01)
+    two = asyncio.ensure_future(w.gate.admit(w.decision(hashes(3, 8), 0), 0))
+    await asyncio.sleep(0.01)
+    w.gate.release(running.claim)
+    await asyncio.sleep(0.01)
+    assert one.done() and not two.done()
+    two.cancel()
+
+
+async def test_a_cold_request_moves_to_an_engine_with_room_but_a_warm_one_stays() -> None:
+    w = World(10, 10)
+    busy = await w.gate.admit(w.decision(hashes(1, 8), 0), 0)
+    other = await w.gate.admit(w.decision(hashes(9, 8), 1), 0)
+    w.held["http://e0"].update(hashes(3, 8))
+    warm = asyncio.ensure_future(w.gate.admit(w.decision(hashes(3, 8), 0), 0))
+    cold = asyncio.ensure_future(w.gate.admit(w.decision(hashes(2, 8), 0), 0))
+    await asyncio.sleep(0.01)
+    assert not warm.done() and not cold.done()
+    w.gate.release(other.claim)  # e1 has room: the cold one costs it no more than e0 would
+    grant = await asyncio.wait_for(cold, 1)
+    assert grant.how is Admitted.STOLEN and grant.endpoint is w.eps[1] and w.moved == ["http://e1"]
+    assert not warm.done()  # its prefix is at e0: it waits there
+    w.gate.release(busy.claim)
+    assert (await asyncio.wait_for(warm, 1)).endpoint is w.eps[0]
+
+
+async def test_a_request_waiting_on_a_silent_engine_goes_elsewhere() -> None:
+    w = World(10, 10)
+    await w.gate.admit(w.decision(hashes(1, 8), 0), 0)  # never released: the engine is wedged
+    w.held["http://e0"].update(hashes(3, 8))
+    warm = asyncio.ensure_future(w.gate.admit(w.decision(hashes(3, 8), 0), 0))
+    await asyncio.sleep(0.01)
+    assert not warm.done()
+    w.silent.add("http://e0")
+    grant = await asyncio.wait_for(warm, 2)  # the periodic re-check sees it
+    assert grant.how is Admitted.STOLEN and grant.endpoint is w.eps[1]
+
+
+async def test_nobody_is_held_longer_than_max_hold() -> None:
+    w = World(10, max_hold_s=0.2)
+    await w.gate.admit(w.decision(hashes(1, 8), 0), 0)
+    grant = await asyncio.wait_for(w.gate.admit(w.decision(hashes(2, 8), 0), 0), 2)
+    assert grant.how is Admitted.EXPIRED and grant.endpoint is w.eps[0] and grant.held_s >= 0.2
+
+
+async def test_a_client_that_leaves_while_held_is_forgotten() -> None:
+    w = World(10)
+    running = await w.gate.admit(w.decision(hashes(1, 8), 0), 0)
+    pending = asyncio.ensure_future(w.gate.admit(w.decision(hashes(2, 8), 0), 0))
+    await asyncio.sleep(0.01)
+    pending.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await pending
+    assert w.gate.held() == 0
+    w.gate.release(running.claim)
+    assert w.gate.in_flight_blocks(w.eps[0]) == 0
+
+
+@pytest.mark.parametrize(
+    ("tokens", "pool", "enabled"),
+    [(None, 10, True), (256, 0, True), (256, 10, False)],
+    ids=["size unknown", "pool unknown", "gate off"],
+)
+async def test_nothing_is_held_without_a_size_a_pool_or_the_gate(
+    tokens: int | None, pool: int, enabled: bool
+) -> None:
+    w = World(pool)
+    w.gate.settings = AdmissionSettings(enabled=enabled)
+    for prefix in (1, 2, 3):
+        d = w.decision(hashes(prefix, 8), 0)
+        d.prompt_tokens = tokens
+        grant = await asyncio.wait_for(w.gate.admit(d, 0), 1)
+        assert grant.how in (Admitted.DIRECT, Admitted.UNGATED)
+
+
+def test_output_tokens_count_toward_a_requests_size() -> None:
+    w = World(10)
+    d = w.decision(hashes(1, 4), 0, tokens=4 * BS + 5)
+    assert w.gate.size(d, 0) == 5
+    assert w.gate.size(d, 64) == 7
+    assert w.gate.size(d, None) == 5 + AdmissionSettings().assumed_output_tokens // BS
