@@ -15,7 +15,7 @@ than ``maxHoldSeconds``: then it goes to its engine's own queue, as it would hav
 
 *Room* is this router's own count: the distinct blocks its in-flight requests pin on the engine (a
 prefix shared by several counts once), plus each one's output, against the pool size the engine reports
-(``num_gpu_blocks``). Nothing is held while an engine has nothing of ours in flight, or its pool size
+(``num_gpu_blocks``, less the one vLLM keeps as its null block). Nothing is held while an engine has nothing of ours in flight, or its pool size
 is unknown, or the request's size is (character-block fallback). With several router replicas each
 counts only its own requests; the engine's queue takes the rest, as without the gate.
 """
@@ -40,7 +40,8 @@ from kvstrata.router.scoring import credited_blocks, uncached_tokens
 
 __all__ = ["Admitted", "Claim", "Gate", "Grant"]
 
-log = logging.getLogger("kvstrata.router.admission")
+# A child of the decision log: `kvstrata router --log-decisions` shows holds and grants beside decisions.
+log = logging.getLogger("kvstrata.router.route.admission")
 
 # How often a held request looks again without being woken (an ejection, a scrape that learned a pool
 # size): a wake-up comes with every release, so this only bounds staleness.
@@ -182,7 +183,7 @@ class Gate:
         claims = self._claims.get(ep.url)
         if not claims or ep.kv_blocks <= 0:
             return True
-        pool = ep.kv_blocks
+        pool = ep.kv_blocks - 1  # vLLM keeps one block of its pool as the null block
         if sum(c.blocks for c in claims) + blocks <= pool:
             return True  # the cheap bound: shared prefixes counted as often as they are pinned
         return distinct_blocks([*claims, Claim(ep, hashes, blocks)]) <= pool
@@ -201,7 +202,15 @@ class Gate:
         waiter = _Waiter(decision, home, blocks, time.monotonic(), loop.create_future())
         self._waiting.append(waiter)
         self.deps.commit(decision, home)
-        log.debug("hold %s blocks=%d at %s (%d held)", decision.reason, blocks, home.url, len(self._waiting))
+        log.debug(
+            "hold prefix=%016x blocks=%d at %s: %d blocks of %d in flight there, %d held",
+            decision.hashes[0] if decision.hashes else 0,
+            blocks,
+            home.url,
+            self.in_flight_blocks(home),
+            home.kv_blocks,
+            len(self._waiting),
+        )
         self.pump()
         try:
             while not waiter.future.done():
@@ -230,7 +239,16 @@ class Gate:
             self.deps.moved(waiter.decision, ep)
         held = time.monotonic() - waiter.since
         claim = self.claim(ep, waiter.decision, waiter.claim_blocks)
-        log.debug("%s after %.3fs -> %s", how, held, ep.url)
+        log.debug(
+            "%s prefix=%016x after %.3fs -> %s (cost %.0f tokens there, %.0f at %s)",
+            how,
+            waiter.decision.hashes[0] if waiter.decision.hashes else 0,
+            held,
+            ep.url,
+            waiter.keys.get(ep.url, -1),
+            waiter.keys.get(waiter.home.url, -1),
+            waiter.home.url,
+        )
         waiter.future.set_result(Grant(ep, how, held, claim))
 
     def _cost(self, waiter: _Waiter, ep: Endpoint, matches: dict[str, PrefixMatch]) -> float:

@@ -90,9 +90,9 @@ async def test_a_request_waits_for_room_and_takes_it_when_freed() -> None:
 
 
 async def test_a_prefix_group_fits_where_its_copies_would_not() -> None:
-    w = World(12)
+    w = World(11)
     a = await w.gate.admit(w.decision(hashes(1, 8), 0), 0)
-    # The same 8-block prefix plus 2 of its own: 10 distinct blocks in all, under the pool of 12.
+    # The same 8-block prefix plus 2 of its own: 10 distinct blocks in all, the pool less its null block.
     b = await w.gate.admit(w.decision(array("Q", [*hashes(1, 8), 5, 6]), 0), 0)
     assert a.how is b.how is Admitted.DIRECT
 
