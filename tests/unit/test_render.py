@@ -102,6 +102,21 @@ def test_tier_weights_set_in_the_cluster_reach_the_router() -> None:
     )
 
 
+def test_admission_set_in_the_cluster_reaches_the_router() -> None:
+    default, _ = objects(example("tiny-cpu.yaml"))
+    changed, _ = objects(
+        with_changes(
+            example("tiny-cpu.yaml"), {"spec.router.admission": {"enabled": False, "maxHoldSeconds": 4}}
+        )
+    )
+    on, off = (
+        RouterSettings.model_validate(json.loads(o[("ConfigMap", "tiny-router")]["data"]["router.json"]))
+        for o in (default, changed)
+    )
+    assert on.admission.enabled and on.admission.max_hold_seconds is None
+    assert not off.admission.enabled and off.admission.max_hold_seconds == 4
+
+
 def test_router_fetches_evictions_from_the_janitor_on_the_port_the_pod_serves_it() -> None:
     objs, _ = objects(example("tiny-cpu-tiered.yaml"))
     settings = RouterSettings.model_validate(

@@ -374,6 +374,24 @@ class RouterEjection(Wire):
     max_seconds: float = Field(300.0, gt=0, le=86400, description="Longest ejection")
 
 
+class RouterAdmission(Wire):
+    """Requests held in the router while their engine's KV pool has no room (docs/router.md, "Admit")."""
+
+    enabled: bool = Field(
+        True,
+        description="Hold a request whose engine's KV pool is full of the router's running requests and "
+        "send each engine the held request it serves cheapest when room frees (false: every request "
+        "goes to the engine's own first-come queue at once)",
+    )
+    max_hold_seconds: float | None = Field(
+        None,
+        gt=0,
+        le=3600,
+        description="Longest a request is held before it goes to its engine's queue anyway; default a "
+        "third of timeouts.firstByteSeconds",
+    )
+
+
 class RouterSpec(Wire):
     replicas: int = Field(1, ge=0, le=64)
     policy: RoutingPolicy = Field(DEFAULT_POLICY)
@@ -383,6 +401,7 @@ class RouterSpec(Wire):
     port: int = Field(ROUTER_PORT, ge=1, le=65535)
     timeouts: RouterTimeouts = Field(default_factory=RouterTimeouts)
     ejection: RouterEjection = Field(default_factory=RouterEjection)
+    admission: RouterAdmission = Field(default_factory=RouterAdmission)
 
 
 class InferenceClusterSpec(Wire):

@@ -20,6 +20,7 @@ from kvstrata.api.router_config import (
     LABEL_MANAGED_BY,
     LABEL_NAME,
     LABEL_PART_OF,
+    AdmissionSettings,
     Discovery,
     RouterSettings,
     TierWeights,
@@ -352,6 +353,9 @@ def router_settings(name: str, namespace: str, spec: InferenceClusterSpec, plan:
         ejection_consecutive_failures=spec.router.ejection.consecutive_failures,
         ejection_base_seconds=spec.router.ejection.base_seconds,
         ejection_max_seconds=spec.router.ejection.max_seconds,
+        admission=AdmissionSettings(
+            enabled=spec.router.admission.enabled, max_hold_seconds=spec.router.admission.max_hold_seconds
+        ),
         discovery=Discovery(
             namespace=namespace,
             service=engine_name(name),
