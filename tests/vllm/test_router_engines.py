@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -367,6 +368,32 @@ async def test_a_new_router_learns_what_engines_hold_through_replay(stack: Stack
     finally:
         await asyncio.to_thread(stop_router, proc)
     assert "Traceback" not in (stack.log_dir / "router-2.log").read_text()
+
+
+async def test_a_burst_larger_than_the_pools_waits_in_the_router_not_in_preemption(stack: Stack) -> None:
+    """Twelve 1,800-token prompts at once on pools of 160 blocks: more than the engines can run
+    together. The router holds what does not fit (router/admission.py) and sends it when room frees;
+    every request is answered, no engine preempts, and nothing stays claimed or held afterwards."""
+    rng = random.Random(7)
+    shared = [rng.randrange(100, 4000) for _ in range(10 * BLOCK)]  # one tenant's system prompt
+    bodies = [
+        {"model": MODEL, "prompt": shared + [rng.randrange(100, 4000) for _ in range(1500)], "max_tokens": 4}
+        for _ in range(12)
+    ]
+    preempted = sum(engine_counter(e, "vllm:num_preemptions_total") for e in stack.engines)
+    async with aiohttp.ClientSession() as s:
+        answers = await asyncio.gather(*(post(s, stack.router_url, "/v1/completions", b) for b in bodies))
+    assert [status for status, _, _ in answers] == [200] * len(bodies)
+    how = Counter(headers["x-kvstrata-admission"] for _, headers, _ in answers)
+    held_ms = sorted(int(headers["x-kvstrata-held-ms"]) for _, headers, _ in answers)
+    print(f"\n[router-engines] burst admission {dict(how)}, held ms {held_ms}")
+    assert how["queued"] + how["stolen"] + how["expired"] >= 1, how
+    if not how["expired"]:  # a request held past maxHoldSeconds goes to the engine's own queue
+        after = sum(engine_counter(e, "vllm:num_preemptions_total") for e in stack.engines)
+        assert after == preempted, "an engine preempted although the router held what did not fit"
+    state = await asyncio.to_thread(router_state, stack)
+    assert state["heldRequests"] == 0
+    assert all(ep["admittedBlocks"] == 0 for ep in state["endpoints"].values()), state["endpoints"]
 
 
 async def _one(
