@@ -128,7 +128,7 @@ class GateDeps:
     lookup: Callable[[Sequence[int]], dict[str, PrefixMatch]]
     tiers: TierWeights
     block_size: int
-    usable: Callable[[Endpoint], bool]  # in rotation (not ejected)
+    usable: Callable[[Endpoint], bool]  # healthy and in rotation (not ejected)
     silent: Callable[[Endpoint], bool]  # not heard from lately: likely wedged
     endpoints: Callable[[], list[Endpoint]]
     # A request starts waiting for ``home``: it counts as routed there (the index predicts its blocks
@@ -251,13 +251,12 @@ class Gate:
         )
         waiter.future.set_result(Grant(ep, how, held, claim))
 
-    def _cost(self, waiter: _Waiter, ep: Endpoint, matches: dict[str, PrefixMatch]) -> float:
+    def _cost(self, waiter: _Waiter, ep: Endpoint, matches: dict[str, PrefixMatch], key: bytes) -> float:
         """Prompt tokens ``ep`` must compute for the waiter now: what it holds (not what the router
-        predicted, which may be the waiter's own claim) or what our in-flight requests there are
-        computing (they will hold it by the time this one runs)."""
+        predicted, which may be the waiter's own prediction) or what our in-flight requests there are
+        computing (they will hold it by the time this one runs). ``key``: the waiter's hashes as bytes."""
         m = matches.get(ep.url)
         held = credited_blocks(m._replace(predicted=0), self.deps.tiers) if m else 0.0
-        key = Claim(ep, waiter.decision.hashes, 0).key
         running = max((_common_blocks(key, c.key) for c in self._claims.get(ep.url, ())), default=0)
         d = waiter.decision
         return uncached_tokens(d.prompt_tokens, len(d.hashes), max(held, running), self.deps.block_size)
@@ -270,7 +269,8 @@ class Gate:
         usable = [ep for ep in self.deps.endpoints() if self.deps.usable(ep)]
         for w in self._waiting:
             matches = self.deps.lookup(w.decision.hashes)
-            w.keys = {ep.url: self._cost(w, ep, matches) for ep in usable}
+            key = Claim(w.home, w.decision.hashes, 0).key
+            w.keys = {ep.url: self._cost(w, ep, matches, key) for ep in usable}
         bs = self.deps.block_size
         progress = True
         while progress and self._waiting:
@@ -287,7 +287,7 @@ class Gate:
                 movable = [
                     w
                     for w in self._waiting
-                    if not self.deps.usable(w.home)
+                    if w.home not in usable  # ejected, unhealthy, or gone from the pool
                     or self.deps.silent(w.home)
                     or w.keys.get(ep.url, math.inf) <= w.keys.get(w.home.url, math.inf) + bs
                 ]

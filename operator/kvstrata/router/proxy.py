@@ -210,7 +210,8 @@ class Proxy:
         gate = self.router.gate
         blocks = gate.size(decision, output_tokens)
         grant = await gate.admit(decision, output_tokens)
-        self.metrics.admitted(grant.how, grant.held_s)
+        if decision.routed:
+            self.metrics.admitted(grant.how, grant.held_s)
         call = _Call(
             request,
             raw,

@@ -142,14 +142,15 @@ async def test_a_cold_request_moves_to_an_engine_with_room_but_a_warm_one_stays(
     assert (await asyncio.wait_for(warm, 1)).endpoint is w.eps[0]
 
 
-async def test_a_request_waiting_on_a_silent_engine_goes_elsewhere() -> None:
+@pytest.mark.parametrize("fault", ["silent", "ejected or gone"])
+async def test_a_request_waiting_on_a_silent_or_lost_engine_goes_elsewhere(fault: str) -> None:
     w = World(10, 10)
     await w.gate.admit(w.decision(hashes(1, 8), 0), 0)  # never released: the engine is wedged
     w.held["http://e0"].update(hashes(3, 8))
     warm = asyncio.ensure_future(w.gate.admit(w.decision(hashes(3, 8), 0), 0))
     await asyncio.sleep(0.01)
     assert not warm.done()
-    w.silent.add("http://e0")
+    (w.silent if fault == "silent" else w.down).add("http://e0")
     grant = await asyncio.wait_for(warm, 2)  # the periodic re-check sees it
     assert grant.how is Admitted.STOLEN and grant.endpoint is w.eps[1]
 
