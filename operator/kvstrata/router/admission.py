@@ -134,7 +134,8 @@ class GateDeps:
     # A request starts waiting for ``home``: it counts as routed there (the index predicts its blocks
     # there, so the rest of its prefix group follows it instead of spreading while it waits).
     commit: Callable[[Decision, Endpoint], None]
-    # A held request left its home for another engine: its prediction at the home is void.
+    # A held request left its home for another engine: its prediction at the home is void. (The
+    # scorers' own hooks are not undone: a moved request counts as recent traffic at both engines.)
     moved: Callable[[Decision, Endpoint], None]
 
 
