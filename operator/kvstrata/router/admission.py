@@ -15,8 +15,9 @@ than ``maxHoldSeconds``: then it goes to its engine's own queue, as it would hav
 
 *Room* is this router's own count: the distinct blocks its in-flight requests pin on the engine (a
 prefix shared by several counts once), plus each one's output, against the pool size the engine reports
-(``num_gpu_blocks``, less the one vLLM keeps as its null block). Nothing is held while an engine has nothing of ours in flight, or its pool size
-is unknown, or the request's size is (character-block fallback). With several router replicas each
+(``num_gpu_blocks``, less the one vLLM keeps as its null block). Nothing is held while an engine has
+nothing of ours in flight, or its pool size is unknown, or the request's size is (character-block
+fallback). With several router replicas each
 counts only its own requests; the engine's queue takes the rest, as without the gate.
 """
 
@@ -82,6 +83,7 @@ class Grant:
     how: Admitted
     held_s: float
     claim: Claim | None
+    blocks: int | None  # what the request pins where it runs (Gate.size); a retry claims as many
 
 
 @dataclass(eq=False, slots=True)
@@ -95,11 +97,13 @@ class _Waiter:
 
 
 def _common_blocks(a: bytes, b: bytes) -> int:
-    """Leading blocks two claims share (binary search on slice equality: C-speed compares)."""
+    """Leading blocks two claims share. Block hashes are chained (each covers its whole prefix), so
+    "block i is the same" holds for a leading run only: a binary search on single blocks finds its end."""
     lo, hi = 0, min(len(a), len(b)) // 8
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if a[: mid * 8] == b[: mid * 8]:
+        at = (mid - 1) * 8
+        if a[at : at + 8] == b[at : at + 8]:
             lo = mid
         else:
             hi = mid - 1
@@ -196,9 +200,9 @@ class Gate:
         home = decision.order[0]
         blocks = self.size(decision, output_tokens)
         if not self.settings.enabled or blocks is None or decision.request is None:
-            return Grant(home, Admitted.UNGATED, 0.0, self.claim(home, decision, blocks))
+            return Grant(home, Admitted.UNGATED, 0.0, self.claim(home, decision, blocks), blocks)
         if not self._waiting_for(home) and self.fits(home, blocks, decision.hashes):
-            return Grant(home, Admitted.DIRECT, 0.0, self.claim(home, decision, blocks))
+            return Grant(home, Admitted.DIRECT, 0.0, self.claim(home, decision, blocks), blocks)
         loop = asyncio.get_running_loop()
         waiter = _Waiter(decision, home, blocks, time.monotonic(), loop.create_future())
         self._waiting.append(waiter)
@@ -250,7 +254,7 @@ class Gate:
             waiter.keys.get(waiter.home.url, -1),
             waiter.home.url,
         )
-        waiter.future.set_result(Grant(ep, how, held, claim))
+        waiter.future.set_result(Grant(ep, how, held, claim, waiter.claim_blocks))
 
     def _cost(self, waiter: _Waiter, ep: Endpoint, matches: dict[str, PrefixMatch], key: bytes) -> float:
         """Prompt tokens ``ep`` must compute for the waiter now: what it holds (not what the router

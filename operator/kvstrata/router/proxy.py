@@ -119,7 +119,6 @@ class _Call:
     decision: Decision
     stream: bool
     grant: Grant
-    blocks: int | None  # KV blocks it pins where it runs (router/admission.py), None if unknown
     claim: Claim | None = None  # the admission's claim, until the first try takes it over
     tries: int = 0  # sent so far (x-kvstrata-attempts, as Envoy's x-envoy-attempt-count)
 
@@ -208,7 +207,6 @@ class Proxy:
         output_tokens: int | None = None,
     ) -> web.StreamResponse:
         gate = self.router.gate
-        blocks = gate.size(decision, output_tokens)
         grant = await gate.admit(decision, output_tokens)
         if decision.routed:
             self.metrics.admitted(grant.how, grant.held_s)
@@ -220,7 +218,6 @@ class Proxy:
             decision,
             stream,
             grant,
-            blocks,
             grant.claim,
         )
         try:
@@ -286,7 +283,7 @@ class Proxy:
         claim, call.claim = call.claim, None
         if claim is None or claim.endpoint is not ep:
             self.router.gate.release(claim)
-            claim = self.router.gate.claim(ep, decision, call.blocks)
+            claim = self.router.gate.claim(ep, decision, call.grant.blocks)
         ep.in_flight += 1
         prefill = PrefillTicket(ep, decision.uncached_tokens(ep, self.block_size))
         t0 = time.perf_counter()
