@@ -234,7 +234,8 @@ def test_killed_engine_leaves_no_stale_shm_that_stops_it(tiered_stack: Stack) ->
         with urllib.request.urlopen(req, timeout=120) as resp:
             assert resp.status == 200
         served += 1
-        if parse_engine(_get(f"{url}/metrics")).counters.nvme_hits > disk_before:
+        # A prompt whose older blocks the janitor evicted comes back in part (seen: 128 tokens); try on.
+        if parse_engine(_get(f"{url}/metrics")).counters.nvme_hits - disk_before >= 512:
             break
     assert parse_engine(_get(f"{url}/metrics")).counters.nvme_hits - disk_before >= 512, (
         f"no prompt of the {served} tried came back from {pod}'s NVMe tier after the restart"
