@@ -57,6 +57,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--first-seed", type=int, default=int(os.environ.get("BENCH_FIRST_SEED") or 1))
     p.add_argument(
+        "--seeds",
+        type=_seed_list,
+        default=os.environ.get("BENCH_SEEDS") or None,
+        help="exactly these seeds, e.g. 1,3,5-7 (instead of --first-seed/--draws; env BENCH_SEEDS)",
+    )
+    p.add_argument(
         "--engine-cpu",
         type=_engine_cpu,
         default=os.environ.get("BENCH_ENGINE_CPU") or "auto",
@@ -73,6 +79,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "seed windows) are pooled as one run",
     )
     return p.parse_args(argv)
+
+
+def _seed_list(raw: str) -> list[int]:
+    """``1,3,5-7`` → [1, 3, 5, 6, 7]."""
+    seeds: list[int] = []
+    try:
+        for part in raw.split(","):
+            lo, sep, hi = part.strip().partition("-")
+            seeds += range(int(lo), int(hi) + 1) if sep else [int(lo)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seeds like 1,3,5-7, got {raw!r}") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"expected distinct seeds, got {raw!r}")
+    return seeds
+
+
+def _is_peer(router: str) -> bool:
+    """A router kvstrata is judged against: not kvstrata itself nor a variant of it (an ablation)."""
+    return not router.startswith("kvstrata/")
 
 
 @dataclass(frozen=True)
@@ -176,7 +201,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     routers = [r.strip() for r in args.routers.split(",") if r.strip()]
     model_dir = ensure_tiny_model(default_tiny_model_dir())
     tok = LocalTokenizer(model_dir)
-    prepared = [prepare(draw(s), tok) for s in range(args.first_seed, args.first_seed + args.draws)]
+    seeds = args.seeds or range(args.first_seed, args.first_seed + args.draws)
+    prepared = [prepare(draw(s), tok) for s in seeds]
     for p in prepared:
         print(
             f"{p.draw.label()}\n    {p.info['requests']} requests, {p.info['prompt_tokens_total']} prompt tokens, "
@@ -296,7 +322,7 @@ def pooled(draws: list[dict[str, Any]], routers: list[str]) -> dict[str, Any]:
         for d in chosen:
             oks = [r for r in d["results"] if _ok(r)]
             mine = next((r for r in oks if r["router"] == KVSTRATA), None)
-            peers = [r for r in oks if r["router"] != KVSTRATA]
+            peers = [r for r in oks if _is_peer(r["router"])]
             if mine is None or not peers:
                 continue
             best = max(r["hit_rate"] for r in peers)

@@ -23,6 +23,11 @@ PEER_POLICIES = {
     "sglang-router": ("round_robin", "cache_aware", "power_of_two", "random"),
     "kvstrata": ("kv-aware", "prefix-hash", "least-load", "round-robin"),
 }
+# kvstrata with one setting changed, named `kvstrata/<policy>@<variant>`: an ablation in the same run,
+# paired per draw like a peer (the router's settings come from KVSTRATA_ROUTER_<FIELD> variables).
+KVSTRATA_VARIANTS: dict[str, dict[str, str]] = {
+    "no-admission": {"KVSTRATA_ROUTER_ADMISSION": '{"enabled": false}'},
+}
 
 
 @dataclass(frozen=True)
@@ -53,10 +58,20 @@ class RunningRouter:
 
 def split_name(name: str) -> tuple[str, str]:
     impl, _, policy = name.partition("/")
+    policy, _, variant = policy.partition("@")
     if impl not in PEER_POLICIES or policy not in PEER_POLICIES[impl]:
         known = ", ".join(f"{i}/{p}" for i, ps in PEER_POLICIES.items() for p in ps)
         raise BenchError(f"unknown router {name!r}; known: {known}")
+    if variant and (impl != "kvstrata" or variant not in KVSTRATA_VARIANTS):
+        known = ", ".join(f"kvstrata/<policy>@{v}" for v in KVSTRATA_VARIANTS)
+        raise BenchError(f"unknown router variant {name!r}; known: {known}")
     return impl, policy
+
+
+def variant_env(name: str) -> dict[str, str]:
+    """The environment a `kvstrata/<policy>@<variant>` router runs with (empty for every other)."""
+    split_name(name)
+    return dict(KVSTRATA_VARIANTS.get(name.partition("@")[2], {}))
 
 
 def router_argv(
@@ -161,7 +176,9 @@ def start_router(
 ) -> RunningRouter:
     port, metrics_port = free_port(), free_port()
     proc = procs.start(
-        name.replace("/", "_"), router_argv(name, port, workers, cfg, metrics_port), env={"RUST_LOG": "warn"}
+        name.replace("/", "_"),
+        router_argv(name, port, workers, cfg, metrics_port),
+        env={"RUST_LOG": "warn", **variant_env(name)},
     )
     url = f"http://127.0.0.1:{port}"
     body = json.dumps({"model": cfg.model, "prompt": probe_prompt, "max_tokens": 1}).encode()
