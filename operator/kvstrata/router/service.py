@@ -87,7 +87,11 @@ class RouterService:
         connector = aiohttp.TCPConnector(
             limit=s.max_upstream_connections, limit_per_host=0, ttl_dns_cache=300, keepalive_timeout=60
         )
-        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        # No cookie jar: a proxy that kept an engine's Set-Cookie would send it with every later
+        # client's request (and a jar is a filter pass per request).
+        self.session = aiohttp.ClientSession(
+            connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
+        )
         self.router = Router(s, self.metrics, self.session, tokenizer=self._tokenizer)
         self._zmq = zmq.asyncio.Context()
         self.router.pool.subscribe(self._on_add, self._on_remove)

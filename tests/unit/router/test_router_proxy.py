@@ -36,6 +36,7 @@ class Fake:
 
     mode: str = "ok"
     bodies: list[bytes] = field(default_factory=list)
+    cookies: list[str | None] = field(default_factory=list)  # each request's Cookie header
     cancelled: int = 0
     runner: web.AppRunner | None = None
     url: str = ""
@@ -43,6 +44,7 @@ class Fake:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         self.bodies.append(await request.read())
+        self.cookies.append(request.headers.get("Cookie"))
         if request.path == "/tokenize" and self.mode == "tokenize":
             return web.json_response({"tokens": list(range(100)), "count": 100})
         if self.mode == "500":
@@ -81,7 +83,10 @@ class Fake:
                 self.cancelled += 1
                 raise
         usage = {"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 7}}
-        return web.json_response({"choices": [{"text": "hi"}], "usage": usage, "from": self.url})
+        resp = web.json_response({"choices": [{"text": "hi"}], "usage": usage, "from": self.url})
+        if self.mode == "cookie":
+            resp.set_cookie("engine_session", "secret")
+        return resp
 
     async def start(self) -> Fake:
         app = web.Application()
@@ -179,6 +184,21 @@ async def test_connect_error_goes_to_next_best(make_router: RouterFactory, fakes
     assert h.svc.router.approx.blocks_of(dead) == 0  # a dead engine leaves the index at once
     metrics = await (await h.client.get(h.base + "/metrics")).text()
     assert 'kvstrata_router_retries_total{reason="connect_error"} 1.0' in metrics
+
+
+async def test_an_engines_cookie_goes_to_its_client_only(
+    make_router: RouterFactory, fakes: Callable[..., Any]
+) -> None:
+    """The router passes Set-Cookie on to the client that got it and keeps no jar of its own: a kept
+    cookie would go to the engine with every other client's requests."""
+    (f,) = await fakes("cookie")
+    # By name: aiohttp's default jar ignores cookies from IP addresses, not from names.
+    h = await make_router([f.url.replace("127.0.0.1", "localhost")])
+    _, headers, _ = await h.post("/v1/completions", completion())
+    assert "engine_session=secret" in headers.get("Set-Cookie", "")
+    h.client.cookie_jar.clear()  # the next request is another client's, which holds no cookie
+    await h.post("/v1/completions", completion())
+    assert f.cookies == [None, None]
 
 
 async def test_5xx_before_first_byte_is_retried(
