@@ -8,13 +8,14 @@ them (measured: ~130 µs inline vs ~260 µs through the pool for a 350-character
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 
@@ -22,6 +23,7 @@ from kvstrata.api.router_config import RouterSettings
 from kvstrata.router.admission import Gate, GateDeps
 from kvstrata.router.decision import Decision
 from kvstrata.router.hashing import block_hashes, char_block_hashes, check_algo
+from kvstrata.router.incremental import IncrementalEncoder, Walk
 from kvstrata.router.index import BlockIndex, PrefixMatch
 from kvstrata.router.metrics import RouterMetrics
 from kvstrata.router.outlier import OutlierDetector
@@ -59,6 +61,9 @@ _INLINE_WALK_CHARS = 1 << 20
 _TOKEN_CACHE_SIZE = 4096
 _TOKEN_CACHE_MAX_CHARS = 32_768  # bounds the cache at ~128 MiB of prompt text
 _REMOTE_TOKENIZE_BACKOFF_S = 60.0
+# A long new stretch of a completion prompt is first tokenized this far (a safe cut at or after it: about
+# 250 tokens, a few blocks at any block size) and routed on that if no engine holds those blocks.
+_PROBE_CHARS = 1024
 # Predictions cover at most a prompt's first this many blocks (256K tokens at block size 32): writing
 # a 4 MB prompt's 32K blocks into the index would hold the event loop ~10 ms; a prefix match is
 # capped here until the engine's events confirm the rest.
@@ -67,6 +72,16 @@ _MAX_PREDICTED_BLOCKS = 8192
 
 class NoEndpoints(Exception):
     pass
+
+
+class Hashed(NamedTuple):
+    """A prompt's block hashes as the router routes on them."""
+
+    hashes: array[int]
+    approximate: bool  # character blocks, not the engine's token blocks
+    tokens: int | None  # prompt tokens (None for character blocks); an estimate while ``rest`` runs
+    # Only the leading blocks are in ``hashes``: (tokens, hashes) of the whole prompt, being computed.
+    rest: asyncio.Task[tuple[int, array[int]]] | None = None
 
 
 class Router:
@@ -117,6 +132,7 @@ class Router:
             ),
         )
         self._token_cache: OrderedDict[str, tuple[int, array[int]]] = OrderedDict()
+        self._rests: set[asyncio.Task[tuple[int, array[int]]]] = set()  # kept referenced while they run
         self._remote_off_until = 0.0
         self.pool.subscribe(lambda ep: None, self._forget)
         metrics.bind_index(lambda: len(self.index), lambda: self.index.evictions)
@@ -188,23 +204,62 @@ class Router:
         self.metrics.prompt_chars.labels("tokenized").inc(len(text) - got.reused_chars)
         return got.tokens, got.hashes
 
-    async def _completion_hashes(self, text: str) -> tuple[int, array[int]]:
+    async def _completion_hashes(self, text: str) -> Hashed:
         """A long completion prompt: the walk over cached chunks on the loop (cheap, and only when no
-        tokenizer thread holds the cache), the rest on the loop too if little is new, else in the pool
-        sized by what is new: an extending prompt costs what its new tail costs."""
+        tokenizer thread holds the cache), the rest on the loop too if little is new; a long new stretch
+        that no engine holds the start of is routed on its leading blocks (:meth:`_cold_after_probe`);
+        else the rest in the pool sized by what is new: an extending prompt costs what its new tail
+        costs."""
         tok = self.tokenizer
         if isinstance(tok, LocalTokenizer) and len(text) <= _INLINE_WALK_CHARS:
             s = self.settings
-            walked = tok.incremental(True, s.block_size, s.hash_algo).walk(text, blocking=False)
+            enc = tok.incremental(True, s.block_size, s.hash_algo)
+            walked = enc.walk(text, blocking=False)
             if walked is not None:
                 new = len(text) - walked.pos
-                inline = new <= _INLINE_TOKENIZE_CHARS * 2
-                got: tuple[int, array[int]] = await self._compute(
-                    inline, new, self._finish_completion, text, walked
-                )
-                return got
-        got = await self._offload(len(text), self._hash_completion, text)
-        return got
+                if new <= _INLINE_TOKENIZE_CHARS * 2:
+                    n, hashes = self._finish_completion(text, walked)
+                    return Hashed(hashes, False, n)
+                cold = self._cold_after_probe(enc, text, walked)
+                if cold is not None:
+                    return cold
+                n, hashes = await self._offload(new, self._finish_completion, text, walked)
+                return Hashed(hashes, False, n)
+        n, hashes = await self._offload(len(text), self._hash_completion, text)
+        return Hashed(hashes, False, n)
+
+    def _cold_after_probe(self, enc: IncrementalEncoder, text: str, walked: Walk) -> Hashed | None:
+        """Route a long new stretch on its first ~_PROBE_CHARS characters when no engine holds them.
+
+        Chained hashes make a prefix match stop at the first block an engine lacks, so if no engine
+        (nor any prediction) holds every block of the probe, no engine holds anything after it: the
+        rest cannot change the matches, and tokenizing it first would only delay the request (the
+        engine tokenizes it again anyway). The decision uses the probe's hashes and a token count
+        extrapolated from it; the rest is hashed in the pool after the decision, off the request's
+        path, and completes it (:meth:`_hashed_later`): the prediction, the fit scorer's demand, the
+        chunk cache for the next turn. None: tokenize the rest first (someone holds the whole probe,
+        or no cut can be made there)."""
+        probe = enc.probe(text, walked, _PROBE_CHARS)
+        if probe is None or len(probe.hashes) <= len(walked.hashes):
+            return None
+        held = max((m.blocks for m in self.index.lookup(probe.hashes).values()), default=0)
+        if held >= len(probe.hashes):
+            return None
+        probed_tokens = probe.tokens - walked.state.tokens
+        rest_chars = len(text) - probe.chars
+        estimate = probe.tokens + round(rest_chars * probed_tokens / (probe.chars - walked.pos))
+        task = asyncio.ensure_future(
+            self._offload(len(text) - walked.pos, self._finish_completion, text, walked)
+        )
+        self._rests.add(task)
+        task.add_done_callback(self._rest_done)
+        self.metrics.routed_on_leading_blocks.inc()
+        return Hashed(probe.hashes, False, estimate + len(enc.suffix), task)
+
+    def _rest_done(self, task: asyncio.Task[tuple[int, array[int]]]) -> None:
+        self._rests.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # retrieved: not logged as lost
+            log.debug("hashing the rest of a prompt failed: %r", task.exception())
 
     def _hash_completion(self, text: str) -> tuple[int, array[int]]:
         assert self.tokenizer is not None
@@ -224,16 +279,14 @@ class Router:
         """``fn(*args)`` on the loop when it is cheap (``inline``), else in the pool for its ``size``."""
         return fn(*args) if inline else await self._offload(size, fn, *args)
 
-    async def prompt_hashes(
-        self, req: ParsedRequest, candidates: Sequence[Endpoint]
-    ) -> tuple[array[int], bool, int | None]:
-        """(block hashes, approximate?, prompt tokens). Engine hashes when tokens can be had, else
-        character blocks (every such fallback is counted by cause)."""
+    async def prompt_hashes(self, req: ParsedRequest, candidates: Sequence[Endpoint]) -> Hashed:
+        """Engine hashes when tokens can be had, else character blocks (every such fallback is counted
+        by cause)."""
         bs = self.settings.block_size
         if req.token_ids is not None:
             ids = req.token_ids
             n, hashes = await self._compute(len(ids) <= _INLINE_HASH_BLOCKS * bs, 0, self._hash_tokens, ids)
-            return hashes, False, n
+            return Hashed(hashes, False, n)
         if self.tokenizer is not None:
             try:
                 if req.text is not None:
@@ -242,21 +295,21 @@ class Router:
                     cached = self._token_cache.get(req.text) if short else None
                     if cached is not None:
                         self._token_cache.move_to_end(req.text)
-                        return cached[1], False, cached[0]
+                        return Hashed(cached[1], False, cached[0])
                     if len(req.text) <= _INLINE_TOKENIZE_CHARS:
                         n, hashes = self._hash_completion(req.text)
+                        got = Hashed(hashes, False, n)
                     else:
-                        n, hashes = await self._completion_hashes(req.text)
-                    if short:
-                        self._token_cache[req.text] = (n, hashes)
-                        if len(self._token_cache) > _TOKEN_CACHE_SIZE:
-                            self._token_cache.popitem(last=False)
-                    return hashes, False, n
+                        got = await self._completion_hashes(req.text)
+                    if short and got.rest is None:
+                        assert got.tokens is not None
+                        self._keep_tokens(req.text, got.tokens, got.hashes)
+                    return got
                 assert req.messages is not None
                 n, hashes = await self._offload(
                     req.size, self._hash_chat, req.messages, chat_template_kwargs(req.body)
                 )
-                return hashes, False, n
+                return Hashed(hashes, False, n)
             except PoolBusy:
                 return await self._fallback(req, "large_prompt_busy")
             except ChatTemplateError as exc:
@@ -275,18 +328,23 @@ class Router:
                 n, hashes = await self._compute(
                     len(remote) <= _INLINE_HASH_BLOCKS * bs, 0, self._hash_tokens, remote
                 )
-                return hashes, False, n
+                return Hashed(hashes, False, n)
             return await self._fallback(req, "remote_tokenize_failed")
         if self.settings.remote_tokenize and self.session is not None:
             return await self._fallback(req, "remote_tokenize_unavailable")
         return await self._fallback(req, "no_tokenizer")
 
-    async def _fallback(self, req: ParsedRequest, reason: str) -> tuple[array[int], bool, int | None]:
+    def _keep_tokens(self, text: str, tokens: int, hashes: array[int]) -> None:
+        self._token_cache[text] = (tokens, hashes)
+        if len(self._token_cache) > _TOKEN_CACHE_SIZE:
+            self._token_cache.popitem(last=False)
+
+    async def _fallback(self, req: ParsedRequest, reason: str) -> Hashed:
         self.metrics.fallbacks.labels(reason).inc()
         text = req.routing_text()
         # Size 0: the small pool, never refused (a hash over the text, bounded by maxPromptChars).
         hashes = await self._compute(len(text) <= _INLINE_CHARS, 0, char_block_hashes, text, self.chunk_chars)
-        return hashes, True, None
+        return Hashed(hashes, True, None)
 
     async def _remote_tokens(self, req: ParsedRequest, candidates: Sequence[Endpoint]) -> list[int] | None:
         assert self.session is not None
@@ -349,24 +407,36 @@ class Router:
         return req.routing_text()[: self.chunk_chars * self.settings.prefix_hash_blocks].encode()
 
     async def kv_aware(self, req: ParsedRequest, eps: list[Endpoint], session_id: str | None) -> Decision:
-        hashes, approximate, n_tokens = await self.prompt_hashes(req, eps)
-        if n_tokens is not None:
+        got = await self.prompt_hashes(req, eps)
+        hashes, approximate, n_tokens = got.hashes, got.approximate, got.tokens
+        if n_tokens is not None and got.rest is None:
             self.metrics.prompt_tokens.inc(n_tokens)
+        blocks = None if got.rest is None or n_tokens is None else n_tokens // self.settings.block_size
         matches = (self.approx if approximate else self.index).lookup(hashes)
         tie_key = hashes[0].to_bytes(8, "big") if hashes else self.prefix_key(req)
         room = {} if matches or approximate else {ep.url: self.index.blocks_of(ep.url) for ep in eps}
         history = {} if matches or approximate else self.index.history(hashes)
         rreq = RouteRequest(
-            hashes, matches, tie_key, session_id, approximate, room, history, n_tokens, time.monotonic()
+            hashes,
+            matches,
+            tie_key,
+            session_id,
+            approximate,
+            room,
+            history,
+            n_tokens,
+            time.monotonic(),
+            blocks,
         )
         ranked, dropped = self._rank(rreq, eps)
         order = [r.endpoint for r in ranked] + dropped  # dropped: still worth a retry if all else fails
         reason = self._reason(ranked, matches, dropped, approximate)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
-                "route reason=%s blocks=%d approx=%s -> %s | %s",
+                "route reason=%s blocks=%d%s approx=%s -> %s | %s",
                 reason,
                 len(hashes),
+                "" if blocks is None else f" (leading; ~{blocks} in all)",
                 approximate,
                 ranked[0].endpoint.url,
                 "; ".join(
@@ -376,7 +446,39 @@ class Router:
                     for r in ranked
                 ),
             )
-        return Decision(order, reason, hashes, approximate, matches, n_tokens, ranked, request=rreq)
+        decision = Decision(order, reason, hashes, approximate, matches, n_tokens, ranked, request=rreq)
+        if got.rest is not None:
+            got.rest.add_done_callback(lambda task: self._hashed_later(decision, req.text, task))
+        return decision
+
+    def _hashed_later(
+        self, decision: Decision, text: str | None, task: asyncio.Task[tuple[int, array[int]]]
+    ) -> None:
+        """The rest of a prompt routed on its leading blocks is hashed: what the decision predicted and
+        counted on the leading blocks now covers the whole prompt, as if it had been hashed first."""
+        if task.cancelled() or task.exception() is not None:
+            # The pool was full or the tokenizer failed: the leading blocks stand (events confirm the rest).
+            return
+        n, hashes = task.result()
+        self.metrics.prompt_tokens.inc(n)
+        if text is not None and len(text) <= _TOKEN_CACHE_MAX_CHARS:
+            self._keep_tokens(text, n, hashes)
+        decision.hashes, decision.prompt_tokens = hashes, n
+        if decision.request is not None:
+            decision.request.hashes, decision.request.prompt_tokens = hashes, n
+            decision.request.blocks = None
+        ep = decision.committed
+        if ep is None or not decision.routed:
+            return
+        now = time.monotonic()
+        for scorer, _ in self.scorers:
+            scorer.on_hashed(ep, now, hashes)
+        pred = decision.prediction
+        if pred is not None and not pred.dead and pred.endpoint == ep.url:
+            # Until the same moment as the leading blocks' prediction: the request's first token, or the
+            # short TTL after it (settle re-times the prediction the decision holds, now this one).
+            ttl = self.index.ttl_left(pred)
+            decision.prediction = self.index.predict(ep.url, hashes[:_MAX_PREDICTED_BLOCKS], ttl)
 
     def _rank(self, rreq: RouteRequest, eps: list[Endpoint]) -> tuple[list[Ranked], list[Endpoint]]:
         """The scorers' ranking of the endpoints the load bound keeps, and those it drops (least

@@ -236,6 +236,14 @@ class Encoded(NamedTuple):
     reused_chars: int  # characters whose tokens and hashes came from the cache
 
 
+class Probe(NamedTuple):
+    """The next stretch after a walk, tokenized and hashed but not cached (:meth:`IncrementalEncoder.probe`)."""
+
+    hashes: array[int]  # the walk's hashes, then the full blocks of the stretch
+    tokens: int  # tokens up to the stretch's end (special tokens before the text included)
+    chars: int  # characters up to the stretch's end (a safe cut)
+
+
 @dataclass
 class _Trie:
     # (parent id, chunk text + the context its cut depends on) -> node; least recently used first.
@@ -414,6 +422,24 @@ class IncrementalEncoder:
         finally:
             self._lock.release()
         return Walk(pos, state, hashes, parent_id, base)
+
+    def probe(self, text: str, walked: Walk, chars: int) -> Probe | None:
+        """Tokenize and hash only the ~``chars`` characters after ``walked`` (to the next safe cut), so
+        that a caller can ask whether anyone holds them before paying for the rest. Caches nothing and
+        leaves ``walked`` as it was (for :meth:`finish`). None when the prompt cannot be cut there."""
+        pos, state, hashes, parent_id, _ = walked
+        if parent_id < 0:
+            return None
+        cut = self._cut_at_or_after(text, pos + max(chars, 1), len(text) - self._reach - 1)
+        if cut is None:
+            return None
+        (ids,) = self._ids([text[pos:cut]])
+        tokens = [*state.leftover, *ids]
+        bs = self.block_size
+        digests = block_digests(tokens[: len(tokens) // bs * bs], bs, parent=state.last, algo=self.algo)
+        out = hashes[:]
+        out += chain(map(to_external, digests))
+        return Probe(out, state.tokens + len(ids), cut)
 
     def finish(self, text: str, walked: Walk) -> Encoded:
         """Tokenize and hash what :meth:`walk` did not find (the costly part; runs in a thread for long

@@ -225,6 +225,10 @@ class BlockIndex:
         self._enforce_bound()
         return pred
 
+    def ttl_left(self, pred: Prediction) -> float:
+        """Seconds until ``pred``'s own expiry (0 once it has passed)."""
+        return max(pred.expires - self._clock(), 0.0)
+
     def retime(self, pred: Prediction, ttl: float) -> None:
         """Give the blocks still held by ``pred`` (not confirmed, not predicted again since) a new
         expiry ``ttl`` from now: O(1) in the prompt's length and in the predictions it holds (those

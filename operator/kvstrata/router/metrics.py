@@ -37,6 +37,12 @@ class RouterMetrics:
             f"{p}_affinity_share", "Share of decisions decided by a cached-prefix overlap", registry=r
         )
         self.prompt_tokens = Counter(f"{p}_prompt_tokens", "Prompt tokens of routed requests", registry=r)
+        self.routed_on_leading_blocks = Counter(
+            f"{p}_routed_on_leading_blocks",
+            "Prompts routed on their leading blocks: no engine held the start of a long new stretch, so "
+            "the rest was tokenized and hashed after the decision, off the request's path",
+            registry=r,
+        )
         self.prompt_chars = Counter(
             f"{p}_prompt_chars",
             "Prompt characters routed, by how their tokens were had: reused (an earlier prompt's chunks) "

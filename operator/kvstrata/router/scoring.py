@@ -36,10 +36,18 @@ class RouteRequest:
     # Per endpoint, the prompt's leading blocks it holds or evicted lately (BlockIndex.history); filled
     # only when no endpoint matches the prompt.
     history: dict[str, int] = field(default_factory=dict)
-    # Prompt length in tokens when the router tokenized it (None for character-block fallbacks).
+    # Prompt length in tokens when the router tokenized it (None for character-block fallbacks); an
+    # estimate while ``blocks`` is set.
     prompt_tokens: int | None = None
     # When the decision is made (monotonic seconds): scorers that weigh history by age read it.
     now: float = 0.0
+    # The prompt's full blocks when ``hashes`` holds only the leading ones (a long stretch no engine
+    # holds the start of is hashed after the decision: Router._cold_after_probe); None: all hashed.
+    blocks: int | None = None
+
+    def block_count(self) -> int:
+        """The prompt's full blocks (estimated while only the leading ones are hashed)."""
+        return len(self.hashes) if self.blocks is None else self.blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +76,10 @@ class Scorer(Protocol):
     def on_routed(self, ep: Endpoint, now: float, hashes: Sequence[int] = ()) -> None:
         """A routed request was sent to ``ep`` (at monotonic ``now``) with these prompt block hashes."""
 
+    def on_hashed(self, ep: Endpoint, now: float, hashes: Sequence[int]) -> None:
+        """All block hashes of a request routed to ``ep`` on its leading blocks (``on_routed`` had
+        those), known now that the rest of its prompt is hashed."""
+
     def on_removed(self, ep: Endpoint) -> None:
         """``ep`` left the pool: forget what is kept about it."""
 
@@ -81,6 +93,9 @@ class ScorerHooks:
     __slots__ = ()
 
     def on_routed(self, ep: Endpoint, now: float, hashes: Sequence[int] = ()) -> None:
+        return None
+
+    def on_hashed(self, ep: Endpoint, now: float, hashes: Sequence[int]) -> None:
         return None
 
     def on_removed(self, ep: Endpoint) -> None:
@@ -171,7 +186,7 @@ class PrefixScorer(ScorerHooks):
     name: str = "prefix"
 
     def score(self, req: RouteRequest, eps: Sequence[Endpoint]) -> list[float]:
-        total = len(req.hashes)
+        total = req.block_count()
         top = max(self.tiers.gpu, self.tiers.cpu, self.tiers.storage)
         if not total or top <= 0:
             return [0.0] * len(eps)
@@ -276,6 +291,9 @@ class FitScorer(ScorerHooks):
         # Bounded whatever the window: past a few pools' worth the answer is "over" anyway.
         blocks.trim(4 * max(ep.kv_blocks, 1024))
 
+    def on_hashed(self, ep: Endpoint, now: float, hashes: Sequence[int]) -> None:
+        self.on_routed(ep, now, hashes)
+
     def on_removed(self, ep: Endpoint) -> None:
         self.demand.pop(ep.url, None)
 
@@ -286,7 +304,7 @@ class FitScorer(ScorerHooks):
         for ep in eps:
             demand = self.demand_blocks(ep, req.now)
             m = req.matches.get(ep.url)
-            added = len(req.hashes) - (m.blocks if m else 0)
+            added = req.block_count() - (m.blocks if m else 0)
             if demand + added <= ep.kv_blocks:
                 scores.append(1.0)
             else:

@@ -226,12 +226,39 @@ def _check_family(tok: Tokenizer, *, chunk: int) -> IncrementalEncoder:
     specials = tuple(t.content for t in tok.get_added_tokens_decoder().values())
     for add_special in (True, False):
         enc = IncrementalEncoder(tok, add_special_tokens=add_special, block_size=BLOCK, chunk_chars=chunk)
+        probes = 0
         for text in _prompts(specials):
             want = tok.encode(text, add_special_tokens=add_special).ids
             assert enc.chunked_ids(text, step=1) == want, text[:60]
+            probes += _check_probes(tok, enc, text, want)
             got = enc.encode(text)  # the trie is warm with the earlier prompts
             assert (got.tokens, got.hashes) == (len(want), block_hashes(want, BLOCK)), text[:60]
+        assert probes > 50 if enc.enabled else probes == 0
     return enc
+
+
+def _check_probes(tok: Tokenizer, enc: IncrementalEncoder, text: str, want: list[int]) -> int:
+    """A probe after the walk gives the whole encode's leading tokens and hashes, up to a safe cut,
+    and changes neither the walk nor the cache."""
+    walked = enc.walk(text)
+    assert walked is not None
+    before, chunks = walked.hashes[:], enc.stats()["chunks"]
+    made = 0
+    for chars in (1, 7, 40):
+        probe = enc.probe(text, walked, chars)
+        if not enc.enabled:
+            assert probe is None
+            continue
+        if probe is None:  # no safe cut that far: the caller encodes the rest
+            continue
+        assert walked.pos < probe.chars < len(text)
+        head = tok.encode(text[: probe.chars], add_special_tokens=False).ids
+        assert want[: probe.tokens] == list(enc.prefix) + head, text[:60]
+        assert len(probe.hashes) == probe.tokens // BLOCK
+        assert probe.hashes == block_hashes(want, BLOCK)[: len(probe.hashes)], text[:60]
+        made += 1
+    assert walked.hashes == before and enc.stats()["chunks"] == chunks
+    return made
 
 
 @pytest.mark.parametrize("family", sorted(PROVEN))

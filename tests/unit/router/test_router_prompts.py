@@ -150,9 +150,10 @@ async def test_short_prompts_are_tokenized_inline_long_ones_in_the_pool(tok_dir:
         for words, pooled in ((3, 0), (400, 1)):  # 53 and 7,199 characters
             text = " ".join(["hello world there"] * words)
             req = ParsedRequest("completion", {}, "m", False, text=text)
-            hashes, approximate, n = await router.prompt_hashes(req, [])
+            got = await router.prompt_hashes(req, [])
             ids = tok.encode_completion(text)
-            assert (hashes, approximate, n) == (block_hashes(ids, 2), False, len(ids))
+            n, hashes = (got.tokens, got.hashes) if got.rest is None else await got.rest
+            assert (hashes, got.approximate, n) == (block_hashes(ids, 2), False, len(ids))
             assert len(offloaded) == pooled
     finally:
         router.close()

@@ -1,0 +1,131 @@
+"""A long new stretch no engine holds the start of is routed on its leading blocks; the rest is hashed
+after the decision and completes it (core.Router._cold_after_probe, _hashed_later)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+
+from kvstrata.api.router_config import RouterSettings
+from kvstrata.router.core import Router
+from kvstrata.router.hashing import block_hashes
+from kvstrata.router.metrics import RouterMetrics
+from kvstrata.router.pool import EndpointSpec
+from kvstrata.router.prompts import LocalTokenizer
+from kvstrata.router.requests import ParsedRequest
+from kvstrata.router.scoring import FitScorer
+from kvstrata_dev.testing.tinymodel import default_tiny_model_dir, ensure_tiny_model
+
+BLOCK = 16
+URLS = ("http://a:8000", "http://b:8000", "http://c:8000")
+
+
+@pytest.fixture(scope="module")
+def tok() -> LocalTokenizer:
+    return LocalTokenizer(ensure_tiny_model(default_tiny_model_dir()))
+
+
+@pytest.fixture
+def router(tok: LocalTokenizer) -> Iterator[Router]:
+    settings = RouterSettings.model_validate({"model": "m", "blockSize": BLOCK, "remoteTokenize": False})
+    r = Router(settings, RouterMetrics(), tokenizer=tok)
+    r.pool.replace([EndpointSpec(u) for u in URLS])
+    for ep in r.pool.all():
+        ep.kv_blocks = 100_000  # a known pool: the fit scorer speaks
+    yield r
+    r.close()
+
+
+def document(seed: int, words: int) -> str:
+    """Pseudo-English with plenty of safe cuts (``word word``)."""
+    vocab = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet"]
+    return " ".join(vocab[(seed * 7 + i * i) % len(vocab)] + str((seed + i) % 13) for i in range(words))
+
+
+def completion(text: str) -> ParsedRequest:
+    return ParsedRequest("completion", {}, "m", False, text=text)
+
+
+def counter(router: Router) -> float:
+    value = router.metrics.registry.get_sample_value("kvstrata_router_routed_on_leading_blocks_total")
+    assert value is not None
+    return value
+
+
+async def rest_done(router: Router) -> None:
+    await asyncio.gather(*router._rests)
+    await asyncio.sleep(0)  # the done callbacks run on the next turn of the loop
+
+
+async def test_a_long_cold_prompt_is_routed_on_its_leading_blocks_and_completed_after(
+    router: Router, tok: LocalTokenizer
+) -> None:
+    text = document(1, 3000)  # ~26K characters, nothing of it known anywhere
+    ids = tok.encode_completion(text)
+    full = block_hashes(ids, BLOCK)
+    decision = await router.decide(completion(text))
+    assert counter(router) == 1
+    # The decision saw only the leading blocks, all of them the engine's own.
+    assert 0 < len(decision.hashes) < len(full) // 10
+    assert list(decision.hashes) == list(full[: len(decision.hashes)])
+    # Its size is an estimate from them, close to the truth (prefill cost, fit and admission use it).
+    assert decision.prompt_tokens is not None and abs(decision.prompt_tokens - len(ids)) < 0.05 * len(ids)
+    assert decision.request is not None and decision.request.block_count() == decision.prompt_tokens // BLOCK
+    ep = decision.order[0]
+    router.commit(decision, ep)  # sent (proxy._attempt)
+    await rest_done(router)
+    # Completed: the decision, the prediction and the fit scorer's demand cover the whole prompt.
+    assert (list(decision.hashes), decision.prompt_tokens) == (list(full), len(ids))
+    assert decision.request.block_count() == len(full)
+    assert router.index.lookup(full)[ep.url].blocks == len(full)
+    fit = next(s for s, _ in router.scorers if isinstance(s, FitScorer))
+    assert fit.demand_blocks(ep, decision.request.now) == len(full)
+    tokens = router.metrics.registry.get_sample_value("kvstrata_router_prompt_tokens_total")
+    assert tokens == len(ids)  # counted once, exactly
+    # The prediction is re-timed like any other when the prefill is over.
+    router.settle(decision, ep)
+    assert decision.prediction is not None and router.index.ttl_left(decision.prediction) <= (
+        router.settings.prediction_ttl_seconds
+    )
+
+
+async def test_the_next_turn_walks_what_was_hashed_after_the_decision(
+    router: Router, tok: LocalTokenizer
+) -> None:
+    text = document(2, 3000)
+    first = await router.decide(completion(text))
+    router.commit(first, first.order[0])
+    await rest_done(router)
+    turn = text + " and then the user asks one more short question about it"
+    second = await router.decide(completion(turn))
+    ids = tok.encode_completion(turn)
+    # The whole of the earlier prompt came from the chunk cache, and the engine holds it (predicted):
+    # hashed in full before the decision, and routed to that engine for its prefix.
+    assert counter(router) == 1
+    assert list(second.hashes) == list(block_hashes(ids, BLOCK))
+    assert second.order[0] is first.order[0] and second.reason == "prefix"
+
+
+async def test_a_prompt_an_engine_holds_the_start_of_is_hashed_in_full_first(
+    router: Router, tok: LocalTokenizer
+) -> None:
+    """Another router replica (or a restart) sent this document: the engines' events know its blocks,
+    this router's chunk cache does not. The match may go on past the probe, so nothing is cut short."""
+    text = document(3, 3000)
+    ids = tok.encode_completion(text)
+    full = block_hashes(ids, BLOCK)
+    holder = router.pool.all()[2]
+    router.index.predict(holder.url, full[:200], ttl=600)
+    decision = await router.decide(completion(text))
+    assert counter(router) == 0 and not router._rests
+    assert list(decision.hashes) == list(full)
+    assert decision.order[0] is holder and decision.matches[holder.url].blocks == 200
+
+
+async def test_a_short_prompt_is_hashed_in_full(router: Router, tok: LocalTokenizer) -> None:
+    text = document(4, 200)  # under the inline limit: cheaper to encode than to probe
+    decision = await router.decide(completion(text))
+    assert counter(router) == 0
+    assert list(decision.hashes) == list(block_hashes(tok.encode_completion(text), BLOCK))
