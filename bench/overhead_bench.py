@@ -28,7 +28,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from bench import nginx_backend
-from bench.procs import BenchError, ProcGroup, bench_main
+from bench.procs import BenchError, ProcGroup, bench_main, http_get
 from bench.report import fmt, group_cpu_seconds, machine, percentile, table
 from bench.routers import RouterConfig, Worker, start_router
 
@@ -118,6 +118,7 @@ def _measure(
     try:
         if warm is not None:  # the conversation's first turn, untimed
             _post(routed, _body(warm))
+            _settle(router_url)  # processed, as it would be by the time an engine answered it
         cpu0 = group_cpu_seconds(pgid)
         for p in prompts:
             body = _body(p)
@@ -127,6 +128,7 @@ def _measure(
                 errors += 1
                 continue
             added.append((t_router - t_direct) * 1e3)
+        _settle(router_url)  # the cell's CPU includes work the router did after answering
         cpu = group_cpu_seconds(pgid) - cpu0
     finally:
         direct.close()
@@ -142,6 +144,18 @@ def _measure(
         # rest of the machine's load. Clock ticks: 10 ms resolution, summed over the cell.
         "router_cpu_ms_per_req": round(cpu / len(prompts) * 1e3, 2) if prompts else None,
     }
+
+
+def _settle(router_url: str, limit_s: float = 30.0) -> None:
+    """Wait until the router has no prompt hashing left that it deferred past a decision (kvstrata
+    routes a long cold prompt on its leading blocks and hashes the rest after; /kvstrata/state says how
+    many). Routers without that state return at once."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        status, body = http_get(router_url + "/kvstrata/state", timeout=5)
+        if status != 200 or not json.loads(body).get("backgroundHashing"):
+            return
+        time.sleep(0.01)
 
 
 def _r(v: float | None) -> float | None:

@@ -6,6 +6,8 @@
 //! Hashes come in as the router's ``array('Q')`` chains, read in place through the buffer protocol, or
 //! as any sequence of ints (KV events), converted.
 
+mod digests;
+
 use std::collections::VecDeque;
 
 use pyo3::buffer::PyBuffer;
@@ -401,5 +403,6 @@ fn kvstrata_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PREDICTED", PREDICTED)?;
     m.add_class::<BlockTable>()?;
     m.add_class::<Recency>()?;
+    m.add_function(wrap_pyfunction!(digests::block_digests, m)?)?;
     Ok(())
 }

@@ -14,6 +14,7 @@ import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any, NamedTuple
 
@@ -61,9 +62,11 @@ _INLINE_WALK_CHARS = 1 << 20
 _TOKEN_CACHE_SIZE = 4096
 _TOKEN_CACHE_MAX_CHARS = 32_768  # bounds the cache at ~128 MiB of prompt text
 _REMOTE_TOKENIZE_BACKOFF_S = 60.0
-# A long new stretch of a completion prompt is first tokenized this far (a safe cut at or after it: about
-# 250 tokens, a few blocks at any block size) and routed on that if no engine holds those blocks.
-_PROBE_CHARS = 1024
+# A long new stretch of a completion prompt is first tokenized this far, per token of block size (a
+# safe cut at or after it: about two blocks at ~4 characters per token), and routed on that if no
+# engine holds those blocks. Whether anyone does is exact at any length; longer only costs more.
+_PROBE_CHARS_PER_BLOCK_TOKEN = 8
+_MIN_PROBE_CHARS = 256
 # Predictions cover at most a prompt's first this many blocks (256K tokens at block size 32): writing
 # a 4 MB prompt's 32K blocks into the index would hold the event loop ~10 ms; a prefix match is
 # capped here until the engine's events confirm the rest.
@@ -74,14 +77,22 @@ class NoEndpoints(Exception):
     pass
 
 
+class _Rest(NamedTuple):
+    """The rest of a prompt routed on its leading blocks, being hashed on the background thread."""
+
+    job: Future[tuple[int, array[int]]]  # cancellable until it starts
+    done: asyncio.Future[tuple[int, array[int]]]  # the same, on the event loop
+
+
 class Hashed(NamedTuple):
     """A prompt's block hashes as the router routes on them."""
 
     hashes: array[int]
     approximate: bool  # character blocks, not the engine's token blocks
-    tokens: int | None  # prompt tokens (None for character blocks); an estimate while ``rest`` runs
-    # Only the leading blocks are in ``hashes``: (tokens, hashes) of the whole prompt, being computed.
-    rest: asyncio.Task[tuple[int, array[int]]] | None = None
+    tokens: int | None  # prompt tokens (None for character blocks); an estimate unless ``whole``
+    whole: bool = True  # False: only the prompt's leading blocks are in ``hashes``
+    # (tokens, hashes) of the whole prompt, being computed after the decision (when not ``whole``).
+    rest: asyncio.Future[tuple[int, array[int]]] | None = None
 
 
 class Router:
@@ -132,7 +143,8 @@ class Router:
             ),
         )
         self._token_cache: OrderedDict[str, tuple[int, array[int]]] = OrderedDict()
-        self._rests: set[asyncio.Task[tuple[int, array[int]]]] = set()  # kept referenced while they run
+        # Rests of prompts routed on their leading blocks, by the probe's last block hash, while they run.
+        self._rests: dict[int, _Rest] = {}
         self._remote_off_until = 0.0
         self.pool.subscribe(lambda ep: None, self._forget)
         metrics.bind_index(lambda: len(self.index), lambda: self.index.evictions)
@@ -195,10 +207,11 @@ class Router:
         self.metrics.prompt_chars.labels("tokenized").inc(len(text) - got.reused_chars)
         return int(got.tokens), got.hashes
 
-    def _finish_completion(self, text: str, walked: Any) -> tuple[int, array[int]]:
+    def _finish_completion(self, text: str, walked: Walk, parallel: bool = True) -> tuple[int, array[int]]:
         assert isinstance(self.tokenizer, LocalTokenizer)
         s = self.settings
-        got = self.tokenizer.incremental(True, s.block_size, s.hash_algo).finish(text, walked)
+        enc = self.tokenizer.incremental(True, s.block_size, s.hash_algo)
+        got = enc.finish(text, walked, parallel=parallel)
         if got.reused_chars:
             self.metrics.prompt_chars.labels("reused").inc(got.reused_chars)
         self.metrics.prompt_chars.labels("tokenized").inc(len(text) - got.reused_chars)
@@ -207,29 +220,37 @@ class Router:
     async def _completion_hashes(self, text: str) -> Hashed:
         """A long completion prompt: the walk over cached chunks on the loop (cheap, and only when no
         tokenizer thread holds the cache), the rest on the loop too if little is new; a long new stretch
-        that no engine holds the start of is routed on its leading blocks (:meth:`_cold_after_probe`);
-        else the rest in the pool sized by what is new: an extending prompt costs what its new tail
-        costs."""
+        that no engine holds the start of is routed on its leading blocks (:meth:`_probe`); else the
+        rest in the pool sized by what is new: an extending prompt costs what its new tail costs."""
         tok = self.tokenizer
         if isinstance(tok, LocalTokenizer) and len(text) <= _INLINE_WALK_CHARS:
             s = self.settings
             enc = tok.incremental(True, s.block_size, s.hash_algo)
             walked = enc.walk(text, blocking=False)
+            if walked is not None and len(text) - walked.pos > _INLINE_TOKENIZE_CHARS * 2:
+                probed = self._probe(enc, text, walked)
+                if isinstance(probed, Hashed):
+                    return probed
+                # The same stretch is being hashed for a request routed on it moments ago (its prediction
+                # is what holds the probe). Not started yet: this request needs it now, so it does that
+                # work itself, on its path (and caches it for both). Started: wait for it rather than
+                # do it twice, then walk what it cached.
+                if probed is not None and not probed.job.cancel():
+                    await asyncio.wait([probed.done])
+                    walked = enc.walk(text, blocking=False)
             if walked is not None:
                 new = len(text) - walked.pos
                 if new <= _INLINE_TOKENIZE_CHARS * 2:
                     n, hashes = self._finish_completion(text, walked)
-                    return Hashed(hashes, False, n)
-                cold = self._cold_after_probe(enc, text, walked)
-                if cold is not None:
-                    return cold
-                n, hashes = await self._offload(new, self._finish_completion, text, walked)
+                else:
+                    n, hashes = await self._offload(new, self._finish_completion, text, walked)
                 return Hashed(hashes, False, n)
         n, hashes = await self._offload(len(text), self._hash_completion, text)
         return Hashed(hashes, False, n)
 
-    def _cold_after_probe(self, enc: IncrementalEncoder, text: str, walked: Walk) -> Hashed | None:
-        """Route a long new stretch on its first ~_PROBE_CHARS characters when no engine holds them.
+    def _probe(self, enc: IncrementalEncoder, text: str, walked: Walk) -> Hashed | _Rest | None:
+        """Route a long new stretch on its first blocks (~2: :data:`_PROBE_CHARS_PER_BLOCK_TOKEN`) when no
+        engine holds them.
 
         Chained hashes make a prefix match stop at the first block an engine lacks, so if no engine
         (nor any prediction) holds every block of the probe, no engine holds anything after it: the
@@ -237,29 +258,40 @@ class Router:
         engine tokenizes it again anyway). The decision uses the probe's hashes and a token count
         extrapolated from it; the rest is hashed in the pool after the decision, off the request's
         path, and completes it (:meth:`_hashed_later`): the prediction, the fit scorer's demand, the
-        chunk cache for the next turn. None: tokenize the rest first (someone holds the whole probe,
-        or no cut can be made there)."""
-        probe = enc.probe(text, walked, _PROBE_CHARS)
+        chunk cache for the next turn.
+
+        Else: the earlier request's rest that hashes this same stretch, if one is under way, or None
+        (hash the rest first: someone holds the whole probe, no cut can be made there, or the background
+        thread has a backlog)."""
+        chars = max(_MIN_PROBE_CHARS, _PROBE_CHARS_PER_BLOCK_TOKEN * self.settings.block_size)
+        probe = enc.probe(text, walked, chars)
         if probe is None or len(probe.hashes) <= len(walked.hashes):
             return None
+        key = probe.hashes[-1]  # chained: the identity of everything up to the probe's end
         held = max((m.blocks for m in self.index.lookup(probe.hashes).values()), default=0)
         if held >= len(probe.hashes):
-            return None
+            return self._rests.get(key)
         probed_tokens = probe.tokens - walked.state.tokens
         rest_chars = len(text) - probe.chars
         estimate = probe.tokens + round(rest_chars * probed_tokens / (probe.chars - walked.pos))
-        task = asyncio.ensure_future(
-            self._offload(len(text) - walked.pos, self._finish_completion, text, walked)
-        )
-        self._rests.add(task)
-        task.add_done_callback(self._rest_done)
-        self.metrics.routed_on_leading_blocks.inc()
-        return Hashed(probe.hashes, False, estimate + len(enc.suffix), task)
+        # One piece at a time, on the background thread: nothing waits for this work, so it must not
+        # take cores or pool threads from the requests that do. With a backlog there, the rest is not
+        # hashed at all (a next turn of this prompt hashes it then).
+        job = self.work.submit_background(self._finish_completion, text, walked, False)
+        self.metrics.routed_on_leading_blocks.labels("skipped" if job is None else "deferred").inc()
+        if job is None:
+            return Hashed(probe.hashes, False, estimate + len(enc.suffix), whole=False)
+        done = asyncio.wrap_future(job)
+        self._rests[key] = _Rest(job, done)
+        done.add_done_callback(lambda f: self._rest_done(key, f))
+        return Hashed(probe.hashes, False, estimate + len(enc.suffix), whole=False, rest=done)
 
-    def _rest_done(self, task: asyncio.Task[tuple[int, array[int]]]) -> None:
-        self._rests.discard(task)
-        if not task.cancelled() and task.exception() is not None:  # retrieved: not logged as lost
-            log.debug("hashing the rest of a prompt failed: %r", task.exception())
+    def _rest_done(self, key: int, done: asyncio.Future[tuple[int, array[int]]]) -> None:
+        rest = self._rests.get(key)
+        if rest is not None and rest.done is done:
+            del self._rests[key]
+        if not done.cancelled() and done.exception() is not None:  # retrieved: not logged as lost
+            log.debug("hashing the rest of a prompt failed: %r", done.exception())
 
     def _hash_completion(self, text: str) -> tuple[int, array[int]]:
         assert self.tokenizer is not None
@@ -301,7 +333,7 @@ class Router:
                         got = Hashed(hashes, False, n)
                     else:
                         got = await self._completion_hashes(req.text)
-                    if short and got.rest is None:
+                    if short and got.whole:
                         assert got.tokens is not None
                         self._keep_tokens(req.text, got.tokens, got.hashes)
                     return got
@@ -409,9 +441,9 @@ class Router:
     async def kv_aware(self, req: ParsedRequest, eps: list[Endpoint], session_id: str | None) -> Decision:
         got = await self.prompt_hashes(req, eps)
         hashes, approximate, n_tokens = got.hashes, got.approximate, got.tokens
-        if n_tokens is not None and got.rest is None:
+        if n_tokens is not None and got.rest is None:  # else counted exactly once the rest is hashed
             self.metrics.prompt_tokens.inc(n_tokens)
-        blocks = None if got.rest is None or n_tokens is None else n_tokens // self.settings.block_size
+        blocks = None if got.whole or n_tokens is None else n_tokens // self.settings.block_size
         matches = (self.approx if approximate else self.index).lookup(hashes)
         tie_key = hashes[0].to_bytes(8, "big") if hashes else self.prefix_key(req)
         room = {} if matches or approximate else {ep.url: self.index.blocks_of(ep.url) for ep in eps}
@@ -452,7 +484,7 @@ class Router:
         return decision
 
     def _hashed_later(
-        self, decision: Decision, text: str | None, task: asyncio.Task[tuple[int, array[int]]]
+        self, decision: Decision, text: str | None, task: asyncio.Future[tuple[int, array[int]]]
     ) -> None:
         """The rest of a prompt routed on its leading blocks is hashed: what the decision predicted and
         counted on the leading blocks now covers the whole prompt, as if it had been hashed first."""

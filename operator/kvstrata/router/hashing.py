@@ -25,6 +25,7 @@ from typing import Any
 import cbor2
 
 from kvstrata.api.router_config import DEFAULT_HASH_ALGO, HASH_ALGOS, HashAlgo
+from kvstrata.router import native
 
 _MASK64 = (1 << 64) - 1
 # vLLM's DEFAULT_NONE_HASH_SEED: the first block's parent for cryptographic algorithms.
@@ -76,10 +77,25 @@ def normalize_hash(value: int | bytes) -> int:
     return int(value) & _MASK64
 
 
+# Block sizes up to this are digested natively (a block's pickle stays within one pickle frame).
+_NATIVE_MAX_BLOCK = 4096
+
+
 def block_digests(
     tokens: Sequence[int], block_size: int, parent: bytes | None = None, algo: HashAlgo = DEFAULT_HASH_ALGO
 ) -> list[bytes]:
-    """Chained digests of every full block of ``tokens`` (a partial tail block is not hashed)."""
+    """Chained digests of every full block of ``tokens`` (a partial tail block is not hashed): natively,
+    with the GIL released (:func:`py_block_digests` is the definition it is tested against)."""
+    check_algo(algo)
+    if 0 < block_size <= _NATIVE_MAX_BLOCK:
+        return native.block_digests(tokens, block_size, parent or NONE_HASHES[algo], algo)
+    return py_block_digests(tokens, block_size, parent, algo)
+
+
+def py_block_digests(
+    tokens: Sequence[int], block_size: int, parent: bytes | None = None, algo: HashAlgo = DEFAULT_HASH_ALGO
+) -> list[bytes]:
+    """:func:`block_digests` as vLLM writes it: ``sha256(serialize((parent, tuple(block), None)))``."""
     check_algo(algo)
     prev = parent or NONE_HASHES[algo]
     out: list[bytes] = []

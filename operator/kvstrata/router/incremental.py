@@ -340,10 +340,10 @@ class IncrementalEncoder:
             pos = c
 
     # --- encoding --------------------------------------------------------------------------------
-    def _ids(self, pieces: Sequence[str]) -> list[list[int]]:
+    def _ids(self, pieces: Sequence[str], parallel: bool = True) -> list[list[int]]:
         tok = self.tokenizer
         sizes = [len(p) for p in pieces]
-        if len(pieces) > 1 and sum(sizes) - max(sizes) >= _PARALLEL_MIN_CHARS:
+        if parallel and len(pieces) > 1 and sum(sizes) - max(sizes) >= _PARALLEL_MIN_CHARS:
             return [e.ids for e in tok.encode_batch_fast(list(pieces), add_special_tokens=False)]
         # All but one piece small (an extending turn: its new text and a short last piece): spreading
         # the batch over the library's threads costs more (~40 µs) than it saves.
@@ -441,10 +441,11 @@ class IncrementalEncoder:
         out += chain(map(to_external, digests))
         return Probe(out, state.tokens + len(ids), cut)
 
-    def finish(self, text: str, walked: Walk) -> Encoded:
+    def finish(self, text: str, walked: Walk, parallel: bool = True) -> Encoded:
         """Tokenize and hash what :meth:`walk` did not find (the costly part; runs in a thread for long
         remainders), and cache its chunks. Extends ``walked.hashes`` in place: every walk returns a
-        fresh array, used by this one call."""
+        fresh array, used by this one call. ``parallel``: the pieces may be spread over the tokenizer
+        library's threads (not for work nothing waits for)."""
         pos, state, hashes, parent_id, base = walked
         if parent_id < 0:  # not enabled: one whole encode, hashed from the root
             ids = self.full_ids(text)
@@ -463,7 +464,7 @@ class IncrementalEncoder:
             cuts += self.cuts(text, start, step=_TAIL_CHUNK_CHARS)
         bounds = [pos, *cuts, len(text)]
         pieces = [text[a:b] for a, b in pairwise(bounds)]
-        all_ids = self._ids(pieces)
+        all_ids = self._ids(pieces, parallel)
         # One digest pass over all the new tokens, not one per piece; each piece's chain state is read
         # off where its tokens end.
         bs = self.block_size

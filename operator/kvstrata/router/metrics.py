@@ -39,8 +39,10 @@ class RouterMetrics:
         self.prompt_tokens = Counter(f"{p}_prompt_tokens", "Prompt tokens of routed requests", registry=r)
         self.routed_on_leading_blocks = Counter(
             f"{p}_routed_on_leading_blocks",
-            "Prompts routed on their leading blocks: no engine held the start of a long new stretch, so "
-            "the rest was tokenized and hashed after the decision, off the request's path",
+            "Prompts routed on their leading blocks (no engine held the start of a long new stretch), by "
+            "what became of the rest: deferred (hashed after the decision, off the request's path) or "
+            "skipped (the background thread had a backlog)",
+            ["rest"],
             registry=r,
         )
         self.prompt_chars = Counter(

@@ -515,6 +515,8 @@ class Proxy:
             "indexBlocks": len(router.index),
             "indexEvictions": router.index.evictions,
             "heldRequests": router.gate.held(),
+            # Prompts routed on their leading blocks whose rest is being hashed (or waits to be).
+            "backgroundHashing": router.work.background_pending,
             "endpoints": endpoints,
             "staleIndexEndpoints": stale,
             "incrementalTokenization": router.tokenizer_state(),

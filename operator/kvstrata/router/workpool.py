@@ -5,6 +5,10 @@ Prompts up to ``largePromptChars`` share the small pool. Larger ones go to a poo
 one thread and at most ``largePromptQueue`` prompts running or waiting; past that the caller gets
 :class:`PoolBusy` and routes on character blocks instead (a counted fallback), which costs only a
 hash over the text.
+
+Work no request waits for (the rest of a prompt routed on its leading blocks) has a thread of its own,
+so a backlog of it never delays work a request does wait for; at most ``largePromptQueue`` such jobs
+run or wait there.
 """
 
 from __future__ import annotations
@@ -26,9 +30,11 @@ class WorkPools:
     def __init__(self, threads: int, large_chars: int, large_queue: int) -> None:
         self.small = ThreadPoolExecutor(threads, thread_name_prefix="kvstrata-tok")
         self.large = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-tok-large")
+        self.background = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-tok-bg")
         self.large_chars = large_chars
         self.large_queue = large_queue
         self.large_pending = 0
+        self.background_pending = 0
 
     async def run(self, size: int, fn: Callable[..., T], *args: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -50,6 +56,26 @@ class WorkPools:
     def _release(self) -> None:
         self.large_pending -= 1
 
+    def submit_background(self, fn: Callable[..., T], *args: Any) -> Future[T] | None:
+        """``fn(*args)`` on the background thread (the future can be cancelled until it starts), or None
+        when ``large_queue`` jobs already run or wait there. Call on the event loop."""
+        if self.background_pending >= self.large_queue:
+            return None
+        loop = asyncio.get_running_loop()
+        self.background_pending += 1
+        fut = self.background.submit(fn, *args)
+
+        def release(_: Future[T]) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed at shutdown
+                loop.call_soon_threadsafe(self._background_done)
+
+        fut.add_done_callback(release)
+        return fut
+
+    def _background_done(self) -> None:
+        self.background_pending -= 1
+
     def shutdown(self) -> None:
         self.small.shutdown(wait=False, cancel_futures=True)
         self.large.shutdown(wait=False, cancel_futures=True)
+        self.background.shutdown(wait=False, cancel_futures=True)

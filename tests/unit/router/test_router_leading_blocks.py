@@ -4,7 +4,9 @@ after the decision and completes it (core.Router._cold_after_probe, _hashed_late
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -48,14 +50,13 @@ def completion(text: str) -> ParsedRequest:
     return ParsedRequest("completion", {}, "m", False, text=text)
 
 
-def counter(router: Router) -> float:
-    value = router.metrics.registry.get_sample_value("kvstrata_router_routed_on_leading_blocks_total")
-    assert value is not None
-    return value
+def counter(router: Router, rest: str = "deferred") -> float:
+    name = "kvstrata_router_routed_on_leading_blocks_total"
+    return router.metrics.registry.get_sample_value(name, {"rest": rest}) or 0.0
 
 
 async def rest_done(router: Router) -> None:
-    await asyncio.gather(*router._rests)
+    await asyncio.gather(*(rest.done for rest in router._rests.values()))
     await asyncio.sleep(0)  # the done callbacks run on the next turn of the loop
 
 
@@ -108,6 +109,83 @@ async def test_the_next_turn_walks_what_was_hashed_after_the_decision(
     assert second.order[0] is first.order[0] and second.reason == "prefix"
 
 
+async def test_a_request_for_a_document_being_hashed_waits_for_that_work(
+    router: Router, tok: LocalTokenizer
+) -> None:
+    """Two questions about one new document, moments apart: the second finds the first's prediction
+    on the probe and waits for the first's hashing, then walks it, instead of tokenizing it again."""
+    text = document(5, 3000)
+    turn = text + " and then the user asks one more short question about it"
+    release = threading.Event()
+    real = router._finish_completion
+
+    def held_back(text: str, walked: Any, parallel: bool = True) -> Any:
+        if not parallel:  # the first request's rest, hashed after its decision
+            assert release.wait(10)
+        return real(text, walked, parallel)
+
+    router._finish_completion = held_back  # type: ignore[method-assign]
+    first = await router.decide(completion(text))
+    router.commit(first, first.order[0])
+    second = asyncio.ensure_future(router.decide(completion(turn)))
+    await asyncio.sleep(0.05)
+    release.set()
+    decided = await second
+    assert counter(router) == 1
+    assert list(decided.hashes) == list(block_hashes(tok.encode_completion(turn), BLOCK))
+    assert decided.order[0] is first.order[0]
+    chars = router.metrics.registry.get_sample_value
+    tokenized = chars("kvstrata_router_prompt_chars_total", {"path": "tokenized"})
+    assert tokenized is not None and tokenized < len(text) + 200  # the document once, then the new turn
+
+
+async def test_a_request_does_work_still_queued_in_the_background_itself(
+    router: Router, tok: LocalTokenizer
+) -> None:
+    """The background thread is busy: the first request's rest waits there. The next turn needs it now,
+    so it takes that work over (cancels the queued job) instead of waiting behind the backlog."""
+    release = threading.Event()
+    busy = router.work.submit_background(release.wait, 10)
+    assert busy is not None
+    try:
+        text = document(6, 3000)
+        turn = text + " and then the user asks one more short question about it"
+        first = await router.decide(completion(text))
+        router.commit(first, first.order[0])
+        assert counter(router) == 1 and len(router._rests) == 1
+        second = await asyncio.wait_for(router.decide(completion(turn)), 5)
+        assert list(second.hashes) == list(block_hashes(tok.encode_completion(turn), BLOCK))
+        assert second.order[0] is first.order[0]
+        await asyncio.sleep(0)
+        assert not router._rests  # the queued job was cancelled, not run later for nothing
+        assert len(first.hashes) < len(second.hashes) // 10  # the first decision stays on its leading blocks
+    finally:
+        release.set()
+
+
+async def test_with_a_backlog_in_the_background_the_rest_is_skipped(
+    router: Router, tok: LocalTokenizer
+) -> None:
+    """The background thread has its fill of work: a cold prompt is still routed on its leading blocks
+    at once (not made to wait for its own hashing), and its rest is not hashed (counted)."""
+    release = threading.Event()
+    busy = [
+        router.work.submit_background(release.wait, 10) for _ in range(router.settings.large_prompt_queue)
+    ]
+    assert all(job is not None for job in busy)
+    try:
+        text = document(7, 3000)
+        decision = await router.decide(completion(text))
+        assert (counter(router, "skipped"), counter(router, "deferred")) == (1, 0)
+        full = block_hashes(tok.encode_completion(text), BLOCK)
+        assert 0 < len(decision.hashes) < len(full) // 10 and not router._rests
+        assert decision.request is not None and decision.request.blocks == decision.prompt_tokens // BLOCK
+        tokens = router.metrics.registry.get_sample_value("kvstrata_router_prompt_tokens_total")
+        assert tokens == decision.prompt_tokens  # the estimate: nothing better will come
+    finally:
+        release.set()
+
+
 async def test_a_prompt_an_engine_holds_the_start_of_is_hashed_in_full_first(
     router: Router, tok: LocalTokenizer
 ) -> None:
@@ -119,7 +197,7 @@ async def test_a_prompt_an_engine_holds_the_start_of_is_hashed_in_full_first(
     holder = router.pool.all()[2]
     router.index.predict(holder.url, full[:200], ttl=600)
     decision = await router.decide(completion(text))
-    assert counter(router) == 0 and not router._rests
+    assert counter(router) + counter(router, "skipped") == 0 and not router._rests
     assert list(decision.hashes) == list(full)
     assert decision.order[0] is holder and decision.matches[holder.url].blocks == 200
 

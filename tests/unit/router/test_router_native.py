@@ -10,7 +10,10 @@ from collections import OrderedDict
 
 import pytest
 
+from kvstrata.api.router_config import HashAlgo
+from kvstrata.router.hashing import block_digests, py_block_digests
 from kvstrata.router.native import CPU, GPU, PREDICTED, STORAGE, BlockTable, Recency
+from kvstrata.router.native import block_digests as native_block_digests
 
 REAL = GPU | CPU | STORAGE
 
@@ -192,3 +195,34 @@ def test_recency_follows_an_ordered_dict_on_random_operations() -> None:
                 while len(model) > limit:
                     model.popitem(last=False)
             assert len(r) == len(model)
+
+
+# Token ids at every pickle and CBOR integer width boundary, and ordinary vocabulary ids.
+_EDGE_IDS = (0, 1, 23, 24, 255, 256, 65_535, 65_536, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**40, 2**63 - 1)
+
+
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor"])
+@pytest.mark.parametrize("block_size", [1, 2, 3, 4, 5, 16, 32, 256])
+def test_native_block_digests_are_vllms(algo: HashAlgo, block_size: int) -> None:
+    """Byte for byte the digests of the Python definition (pickle protocol 5 / canonical CBOR of
+    ``(parent, tuple(block), None)``), chained, with and without a parent, from a list or an array."""
+    rng = random.Random(block_size)
+    for trial in range(20):
+        n = rng.randrange(0, 6 * block_size + 2)
+        ids = [rng.choice(_EDGE_IDS) if rng.random() < 0.3 else rng.randrange(300_000) for _ in range(n)]
+        parent = None if trial % 2 else rng.randbytes(32)
+        want = py_block_digests(ids, block_size, parent, algo)
+        assert len(want) == n // block_size
+        assert block_digests(ids, block_size, parent, algo) == want
+        assert block_digests(array("q", ids), block_size, parent, algo) == want
+
+
+def test_native_block_digests_refuse_what_they_cannot_do() -> None:
+    with pytest.raises(ValueError, match="algorithm"):
+        native_block_digests([1, 2], 1, bytes(32), "xxhash")
+    with pytest.raises(ValueError, match="32-byte"):
+        native_block_digests([1, 2], 1, b"short", "sha256")
+    # Block sizes past one pickle frame are left to the Python definition.
+    with pytest.raises(ValueError, match="block size"):
+        native_block_digests([1] * 8000, 8000, bytes(32), "sha256")
+    assert block_digests([7] * 8000, 8000) == py_block_digests([7] * 8000, 8000)

@@ -152,8 +152,10 @@ async def test_short_prompts_are_tokenized_inline_long_ones_in_the_pool(tok_dir:
             req = ParsedRequest("completion", {}, "m", False, text=text)
             got = await router.prompt_hashes(req, [])
             ids = tok.encode_completion(text)
+            # A cold long prompt is routed on its leading blocks; the rest is hashed on the background
+            # thread (router/workpool.py), not on the loop either.
             n, hashes = (got.tokens, got.hashes) if got.rest is None else await got.rest
             assert (hashes, got.approximate, n) == (block_hashes(ids, 2), False, len(ids))
-            assert len(offloaded) == pooled
+            assert len(offloaded) + (got.rest is not None) == pooled
     finally:
         router.close()
