@@ -256,9 +256,9 @@ class Router:
         (nor any prediction) holds every block of the probe, no engine holds anything after it: the
         rest cannot change the matches, and tokenizing it first would only delay the request (the
         engine tokenizes it again anyway). The decision uses the probe's hashes and a token count
-        extrapolated from it; the rest is hashed in the pool after the decision, off the request's
-        path, and completes it (:meth:`_hashed_later`): the prediction, the fit scorer's demand, the
-        chunk cache for the next turn.
+        extrapolated from it; the rest is hashed on the background thread after the decision, off the
+        request's path, and completes it (:meth:`_hashed_later`): the prediction, the fit scorer's
+        demand, the chunk cache for the next turn.
 
         Else: the earlier request's rest that hashes this same stretch, if one is under way, or None
         (hash the rest first: someone holds the whole probe, no cut can be made there, or the background
@@ -271,20 +271,19 @@ class Router:
         held = max((m.blocks for m in self.index.lookup(probe.hashes).values()), default=0)
         if held >= len(probe.hashes):
             return self._rests.get(key)
-        probed_tokens = probe.tokens - walked.state.tokens
-        rest_chars = len(text) - probe.chars
-        estimate = probe.tokens + round(rest_chars * probed_tokens / (probe.chars - walked.pos))
+        per_char = (probe.tokens - walked.state.tokens) / (probe.chars - walked.pos)
+        estimate = probe.tokens + round((len(text) - probe.chars) * per_char) + len(enc.suffix)
         # One piece at a time, on the background thread: nothing waits for this work, so it must not
         # take cores or pool threads from the requests that do. With a backlog there, the rest is not
         # hashed at all (a next turn of this prompt hashes it then).
         job = self.work.submit_background(self._finish_completion, text, walked, False)
         self.metrics.routed_on_leading_blocks.labels("skipped" if job is None else "deferred").inc()
         if job is None:
-            return Hashed(probe.hashes, False, estimate + len(enc.suffix), whole=False)
+            return Hashed(probe.hashes, False, estimate, whole=False)
         done = asyncio.wrap_future(job)
         self._rests[key] = _Rest(job, done)
         done.add_done_callback(lambda f: self._rest_done(key, f))
-        return Hashed(probe.hashes, False, estimate + len(enc.suffix), whole=False, rest=done)
+        return Hashed(probe.hashes, False, estimate, whole=False, rest=done)
 
     def _rest_done(self, key: int, done: asyncio.Future[tuple[int, array[int]]]) -> None:
         rest = self._rests.get(key)
@@ -489,7 +488,8 @@ class Router:
         """The rest of a prompt routed on its leading blocks is hashed: what the decision predicted and
         counted on the leading blocks now covers the whole prompt, as if it had been hashed first."""
         if task.cancelled() or task.exception() is not None:
-            # The pool was full or the tokenizer failed: the leading blocks stand (events confirm the rest).
+            # A later turn took the work over (it predicts the whole prompt itself), or the tokenizer
+            # failed: the leading blocks stand, and the engine's events confirm the rest.
             return
         n, hashes = task.result()
         self.metrics.prompt_tokens.inc(n)
