@@ -42,7 +42,7 @@ class RouteRequest:
     # When the decision is made (monotonic seconds): scorers that weigh history by age read it.
     now: float = 0.0
     # The prompt's full blocks when ``hashes`` holds only the leading ones (a long stretch no engine
-    # holds the start of is hashed after the decision: Router._cold_after_probe); None: all hashed.
+    # holds the start of is hashed after the decision: Router._probe); None: all hashed.
     blocks: int | None = None
 
     def block_count(self) -> int:
