@@ -1,5 +1,5 @@
 """A long new stretch no engine holds the start of is routed on its leading blocks; the rest is hashed
-after the decision and completes it (core.Router._cold_after_probe, _hashed_later)."""
+after the decision and completes it (core.Router._probe, _hashed_later)."""
 
 from __future__ import annotations
 
