@@ -26,6 +26,16 @@ class PoolBusy(Exception):
     pass
 
 
+def _on_loop_when_done(fut: Future[Any], loop: asyncio.AbstractEventLoop, call: Callable[[], None]) -> None:
+    """``call()`` on ``loop`` once ``fut`` ends (done, failed or cancelled), from whichever thread."""
+
+    def done(_: Future[Any]) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed at shutdown
+            loop.call_soon_threadsafe(call)
+
+    fut.add_done_callback(done)
+
+
 class WorkPools:
     def __init__(self, threads: int, large_chars: int, large_queue: int) -> None:
         self.small = ThreadPoolExecutor(threads, thread_name_prefix="kvstrata-tok")
@@ -44,13 +54,8 @@ class WorkPools:
             raise PoolBusy(f"{self.large_pending} large prompts already tokenizing")
         self.large_pending += 1
         fut = self.large.submit(fn, *args)
-
-        def release(_: Future[T]) -> None:
-            # Counted until the work really ends: a cancelled request does not stop its thread.
-            with contextlib.suppress(RuntimeError):  # the loop closed at shutdown
-                loop.call_soon_threadsafe(self._release)
-
-        fut.add_done_callback(release)
+        # Counted until the work really ends: a cancelled request does not stop its thread.
+        _on_loop_when_done(fut, loop, self._release)
         return await asyncio.wrap_future(fut)
 
     def _release(self) -> None:
@@ -61,15 +66,9 @@ class WorkPools:
         when ``large_queue`` jobs already run or wait there. Call on the event loop."""
         if self.background_pending >= self.large_queue:
             return None
-        loop = asyncio.get_running_loop()
         self.background_pending += 1
         fut = self.background.submit(fn, *args)
-
-        def release(_: Future[T]) -> None:
-            with contextlib.suppress(RuntimeError):  # the loop closed at shutdown
-                loop.call_soon_threadsafe(self._background_done)
-
-        fut.add_done_callback(release)
+        _on_loop_when_done(fut, asyncio.get_running_loop(), self._background_done)
         return fut
 
     def _background_done(self) -> None:
