@@ -15,7 +15,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import aiohttp
@@ -67,6 +67,9 @@ _REMOTE_TOKENIZE_BACKOFF_S = 60.0
 # engine holds those blocks. Whether anyone does is exact at any length; longer only costs more.
 _PROBE_CHARS_PER_BLOCK_TOKEN = 8
 _MIN_PROBE_CHARS = 256
+# Rests of prompts routed on their leading blocks kept until hashed: the background thread's few, and
+# those it had no room for, which the next request that needs one hashes (the oldest go first).
+_MAX_RESTS = 64
 # Predictions cover at most a prompt's first this many blocks (256K tokens at block size 32): writing
 # a 4 MB prompt's 32K blocks into the index would hold the event loop ~10 ms; a prefix match is
 # capped here until the engine's events confirm the rest.
@@ -77,11 +80,27 @@ class NoEndpoints(Exception):
     pass
 
 
-class _Rest(NamedTuple):
-    """The rest of a prompt routed on its leading blocks, being hashed on the background thread."""
+def _settle_rest(
+    done: asyncio.Future[tuple[int, array[int]]], got: tuple[int, array[int]] | BaseException
+) -> None:
+    if done.done():  # cancelled (dropped unasked), or already settled
+        return
+    if isinstance(got, BaseException):
+        done.set_exception(got)
+    else:
+        done.set_result(got)
 
-    job: Future[tuple[int, array[int]]]  # cancellable until it starts
-    done: asyncio.Future[tuple[int, array[int]]]  # the same, on the event loop
+
+@dataclass(slots=True)
+class _Rest:
+    """The rest of a prompt routed on its leading blocks: hashed on the background thread, or by the next
+    request that needs it first (:meth:`Router._take_over`), whichever starts first."""
+
+    text: str
+    walked: Walk
+    done: asyncio.Future[tuple[int, array[int]]]  # (tokens, hashes) of the whole prompt
+    job: Future[None] | None = None  # queued on the background thread (None: it had a backlog)
+    taken: bool = False  # a request is hashing it on its own path
 
 
 class Hashed(NamedTuple):
@@ -143,8 +162,8 @@ class Router:
             ),
         )
         self._token_cache: OrderedDict[str, tuple[int, array[int]]] = OrderedDict()
-        # Rests of prompts routed on their leading blocks, by the probe's last block hash, while they run.
-        self._rests: dict[int, _Rest] = {}
+        # Rests of prompts routed on their leading blocks, by the probe's last block hash, until hashed.
+        self._rests: OrderedDict[int, _Rest] = OrderedDict()
         self._remote_off_until = 0.0
         self.pool.subscribe(lambda ep: None, self._forget)
         metrics.bind_index(lambda: len(self.index), lambda: self.index.evictions)
@@ -231,12 +250,8 @@ class Router:
                 probed = self._probe(enc, text, walked)
                 if isinstance(probed, Hashed):
                     return probed
-                # The same stretch is being hashed for a request routed on it moments ago (its prediction
-                # is what holds the probe). Not started yet: this request needs it now, so it does that
-                # work itself, on its path (and caches it for both). Started: wait for it rather than
-                # do it twice, then walk what it cached.
-                if probed is not None and not probed.job.cancel():
-                    await asyncio.wait([probed.done])
+                if probed is not None:
+                    await self._take_over(probed)
                     walked = enc.walk(text, blocking=False)
             if walked is not None:
                 new = len(text) - walked.pos
@@ -273,17 +288,48 @@ class Router:
             return self._rests.get(key)
         per_char = (probe.tokens - walked.state.tokens) / (probe.chars - walked.pos)
         estimate = probe.tokens + round((len(text) - probe.chars) * per_char) + len(enc.suffix)
+        loop = asyncio.get_running_loop()
+        rest = _Rest(text, walked, loop.create_future())
         # One piece at a time, on the background thread: nothing waits for this work, so it must not
-        # take cores or pool threads from the requests that do. With a backlog there, the rest is not
-        # hashed at all (a next turn of this prompt hashes it then).
-        job = self.work.submit_background(self._finish_completion, text, walked, False)
-        self.metrics.routed_on_leading_blocks.labels("skipped" if job is None else "deferred").inc()
-        if job is None:
-            return Hashed(probe.hashes, False, estimate, whole=False)
-        done = asyncio.wrap_future(job)
-        self._rests[key] = _Rest(job, done)
-        done.add_done_callback(lambda f: self._rest_done(key, f))
-        return Hashed(probe.hashes, False, estimate, whole=False, rest=done)
+        # take cores or pool threads from the requests that do. With a backlog there, it waits for the
+        # next request that needs it (:meth:`_take_over`), if one comes.
+        rest.job = self.work.submit_background(self._hash_rest, rest, loop)
+        self.metrics.routed_on_leading_blocks.labels("skipped" if rest.job is None else "deferred").inc()
+        self._rests[key] = rest
+        rest.done.add_done_callback(lambda f: self._rest_done(key, f))
+        while len(self._rests) > _MAX_RESTS:  # unhashed rests nobody asked for, oldest first
+            _, old = self._rests.popitem(last=False)
+            old.done.cancel()
+        return Hashed(probe.hashes, False, estimate, whole=False, rest=rest.done)
+
+    def _hash_rest(self, rest: _Rest, loop: asyncio.AbstractEventLoop) -> None:
+        """On the background thread: hash ``rest`` unless a request took it over meanwhile."""
+        try:
+            got: tuple[int, array[int]] | BaseException = self._finish_completion(
+                rest.text, rest.walked, False
+            )
+        except Exception as exc:  # handed to the loop, like a result
+            got = exc
+        loop.call_soon_threadsafe(_settle_rest, rest.done, got)
+
+    async def _take_over(self, rest: _Rest) -> None:
+        """This request's prompt shares a stretch with an earlier one routed on its leading blocks, whose
+        rest is not hashed yet (its prediction is what holds the probe). This request needs it now: it
+        hashes it on its own path if nobody has started (cancelling the queued background job), else
+        waits for whoever did. Either way the earlier decision is completed first (its prediction then
+        covers the whole stretch, so this request sees where it will be cached), and the chunks are
+        cached for this request's walk."""
+        if not rest.taken and (rest.job is None or rest.job.cancel()):
+            rest.taken = True
+            try:
+                got: tuple[int, array[int]] | BaseException = await self._offload(
+                    len(rest.text) - rest.walked.pos, self._finish_completion, rest.text, rest.walked
+                )
+            except Exception as exc:  # PoolBusy, a tokenizer error: waiters go on without it
+                got = exc
+            _settle_rest(rest.done, got)
+        # Returns after the callbacks added before this wait: the earlier decision's completion first.
+        await asyncio.wait([rest.done])
 
     def _rest_done(self, key: int, done: asyncio.Future[tuple[int, array[int]]]) -> None:
         rest = self._rests.get(key)
@@ -488,8 +534,8 @@ class Router:
         """The rest of a prompt routed on its leading blocks is hashed: what the decision predicted and
         counted on the leading blocks now covers the whole prompt, as if it had been hashed first."""
         if task.cancelled() or task.exception() is not None:
-            # A later turn took the work over (it predicts the whole prompt itself), or the tokenizer
-            # failed: the leading blocks stand, and the engine's events confirm the rest.
+            # Dropped unasked (the oldest of many unhashed rests), or the tokenizer failed: the leading
+            # blocks stand, and the engine's events confirm the rest.
             return
         n, hashes = task.result()
         self.metrics.prompt_tokens.inc(n)

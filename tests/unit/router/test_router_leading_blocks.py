@@ -139,14 +139,22 @@ async def test_a_request_for_a_document_being_hashed_waits_for_that_work(
     assert tokenized is not None and tokenized < len(text) + 200  # the document once, then the new turn
 
 
+def busy_background(router: Router, jobs: int) -> threading.Event:
+    """Fill the background thread with ``jobs`` jobs that wait for the returned event."""
+    release = threading.Event()
+    assert all(router.work.submit_background(release.wait, 10) is not None for _ in range(jobs))
+    return release
+
+
 async def test_a_request_does_work_still_queued_in_the_background_itself(
     router: Router, tok: LocalTokenizer
 ) -> None:
     """The background thread is busy: the first request's rest waits there. The next turn needs it now,
-    so it takes that work over (cancels the queued job) instead of waiting behind the backlog."""
-    release = threading.Event()
-    busy = router.work.submit_background(release.wait, 10)
-    assert busy is not None
+    so it takes that work over (cancels the queued job) instead of waiting behind the backlog, and
+    completes the first decision before its own lookup: it sees the whole shared prompt predicted where
+    the first one went (in a burst, a same-document request would otherwise see two blocks there, and
+    go elsewhere to recompute them)."""
+    release = busy_background(router, 1)
     try:
         text = document(6, 3000)
         turn = text + " and then the user asks one more short question about it"
@@ -154,34 +162,56 @@ async def test_a_request_does_work_still_queued_in_the_background_itself(
         router.commit(first, first.order[0])
         assert counter(router) == 1 and len(router._rests) == 1
         second = await asyncio.wait_for(router.decide(completion(turn)), 5)
+        full = block_hashes(tok.encode_completion(text), BLOCK)
+        assert list(first.hashes) == list(full)  # completed by the second request's work
         assert list(second.hashes) == list(block_hashes(tok.encode_completion(turn), BLOCK))
-        assert second.order[0] is first.order[0]
+        assert second.order[0] is first.order[0] and second.reason == "prefix"
+        assert second.matches[first.order[0].url].blocks == len(full)
         await asyncio.sleep(0)
         assert not router._rests  # the queued job was cancelled, not run later for nothing
-        assert len(first.hashes) < len(second.hashes) // 10  # the first decision stays on its leading blocks
     finally:
         release.set()
 
 
-async def test_with_a_backlog_in_the_background_the_rest_is_skipped(
+async def test_with_a_backlog_in_the_background_the_rest_waits_for_a_request_that_needs_it(
     router: Router, tok: LocalTokenizer
 ) -> None:
     """The background thread has its fill of work: a cold prompt is still routed on its leading blocks
-    at once (not made to wait for its own hashing), and its rest is not hashed (counted)."""
-    release = threading.Event()
-    busy = [
-        router.work.submit_background(release.wait, 10) for _ in range(router.settings.large_prompt_queue)
-    ]
-    assert all(job is not None for job in busy)
+    at once (not made to wait for its own hashing); its rest is kept, unhashed, and the next request
+    that needs it hashes it (here: a second question about the same new document)."""
+    release = busy_background(router, router.settings.large_prompt_queue)
     try:
         text = document(7, 3000)
         decision = await router.decide(completion(text))
         assert (counter(router, "skipped"), counter(router, "deferred")) == (1, 0)
         full = block_hashes(tok.encode_completion(text), BLOCK)
-        assert 0 < len(decision.hashes) < len(full) // 10 and not router._rests
+        assert 0 < len(decision.hashes) < len(full) // 10
         assert decision.request is not None and decision.request.blocks == decision.prompt_tokens // BLOCK
-        tokens = router.metrics.registry.get_sample_value("kvstrata_router_prompt_tokens_total")
-        assert tokens == decision.prompt_tokens  # the estimate: nothing better will come
+        router.commit(decision, decision.order[0])
+        (rest,) = router._rests.values()
+        assert rest.job is None and not rest.done.done()
+        other = text + " and what does the second paragraph say about it, in short"
+        second = await asyncio.wait_for(router.decide(completion(other)), 5)
+        assert list(decision.hashes) == list(full)
+        assert decision.prompt_tokens == len(tok.encode_completion(text))
+        assert second.order[0] is decision.order[0] and second.reason == "prefix"
+        assert not router._rests
+    finally:
+        release.set()
+
+
+async def test_unhashed_rests_nobody_asks_for_are_bounded(router: Router) -> None:
+    from kvstrata.router import core
+
+    release = busy_background(router, router.settings.large_prompt_queue)
+    try:
+        decisions = [
+            await router.decide(completion(document(100 + k, 600))) for k in range(core._MAX_RESTS + 5)
+        ]
+        assert len(router._rests) == core._MAX_RESTS
+        await asyncio.sleep(0)
+        # The oldest were dropped: their decisions stay on their leading blocks.
+        assert all(len(d.hashes) < 20 for d in decisions[:5])
     finally:
         release.set()
 
