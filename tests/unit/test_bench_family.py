@@ -3,6 +3,7 @@ machine budget, say what was scaled; prompts extend turn by turn; pooled figures
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from typing import Any
 
@@ -119,3 +120,43 @@ def test_runs_of_two_seed_windows_pool_as_one_and_a_seed_twice_is_refused() -> N
     assert both["pooled"]["pressure"]["vs"]["peer/x"]["pairs"] == 2
     with pytest.raises(SystemExit, match="more than one run"):
         combine([first, first])
+
+
+def test_the_best_peer_is_taken_figure_by_figure_and_a_kvstrata_variant_is_no_peer() -> None:
+    def row(name: str, hit: float, mean: float, p99: float) -> dict[str, object]:
+        return {"router": name, "hit_rate": hit, "ttft_ms_mean": mean, "ttft_ms_p99": p99, "errors": 0}
+
+    draw_row = {
+        "regime": "pressure",
+        "results": [
+            row(KVSTRATA, 0.5, 100, 400),
+            row("peer/a", 0.6, 200, 200),  # the best hit rate and p99
+            row("peer/b", 0.4, 50, 800),  # the best mean
+            row("kvstrata/kv-aware@no-admission", 0.9, 10, 10),  # an ablation: never the best peer
+        ],
+    }
+    routers = [KVSTRATA, "peer/a", "peer/b", "kvstrata/kv-aware@no-admission"]
+    out = pooled([draw_row], routers)["pressure"]
+    assert out["vs_best_peer_hit_points"][0] == pytest.approx(-10.0)
+    assert out["vs_best_peer_ttft_mean_ratio"][0] == pytest.approx(2.0)
+    assert out["vs_best_peer_ttft_p99_ratio"][0] == pytest.approx(2.0)
+    assert out["hit_ge_best_peer_draws"] == 0
+    assert out["vs"]["kvstrata/kv-aware@no-admission"]["pairs"] == 1  # still paired, as an ablation
+
+
+def test_seed_lists_and_router_variants() -> None:
+    from bench.family_bench import _seed_list
+    from bench.procs import BenchError
+    from bench.routers import variant_env
+
+    assert _seed_list("1,3,5-7") == [1, 3, 5, 6, 7]
+    for bad in ("", "1,1", "a-b"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _seed_list(bad)
+    assert variant_env("kvstrata/kv-aware@no-admission") == {
+        "KVSTRATA_ROUTER_ADMISSION": '{"enabled": false}'
+    }
+    assert variant_env("sglang-router/cache_aware") == {}
+    for bad in ("kvstrata/kv-aware@nope", "sglang-router/cache_aware@no-admission"):
+        with pytest.raises(BenchError, match="variant"):
+            variant_env(bad)
