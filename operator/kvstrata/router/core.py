@@ -303,7 +303,8 @@ class Router:
         return Hashed(probe.hashes, False, estimate, whole=False, rest=rest.done)
 
     def _hash_rest(self, rest: _Rest, loop: asyncio.AbstractEventLoop) -> None:
-        """On the background thread: hash ``rest`` unless a request took it over meanwhile."""
+        """On the background thread: hash ``rest`` and settle it on the loop (a request that takes the
+        work over first cancels this job before it starts; a settled rest ignores a late result)."""
         try:
             got: tuple[int, array[int]] | BaseException = self._finish_completion(
                 rest.text, rest.walked, False
