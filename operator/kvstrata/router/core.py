@@ -108,9 +108,9 @@ class Hashed(NamedTuple):
 
     hashes: array[int]
     approximate: bool  # character blocks, not the engine's token blocks
-    tokens: int | None  # prompt tokens (None for character blocks); an estimate unless ``whole``
-    whole: bool = True  # False: only the prompt's leading blocks are in ``hashes``
-    # (tokens, hashes) of the whole prompt, being computed after the decision (when not ``whole``).
+    tokens: int | None  # prompt tokens (None for character blocks); an estimate while ``rest`` is set
+    # Set: only the prompt's leading blocks are in ``hashes``; (tokens, hashes) of the whole prompt, being
+    # computed after the decision.
     rest: asyncio.Future[tuple[int, array[int]]] | None = None
 
 
@@ -300,7 +300,7 @@ class Router:
         while len(self._rests) > _MAX_RESTS:  # unhashed rests nobody asked for, oldest first
             _, old = self._rests.popitem(last=False)
             old.done.cancel()
-        return Hashed(probe.hashes, False, estimate, whole=False, rest=rest.done)
+        return Hashed(probe.hashes, False, estimate, rest=rest.done)
 
     def _hash_rest(self, rest: _Rest, loop: asyncio.AbstractEventLoop) -> None:
         """On the background thread: hash ``rest`` and settle it on the loop (a request that takes the
@@ -379,7 +379,7 @@ class Router:
                         got = Hashed(hashes, False, n)
                     else:
                         got = await self._completion_hashes(req.text)
-                    if short and got.whole:
+                    if short and got.rest is None:
                         assert got.tokens is not None
                         self._keep_tokens(req.text, got.tokens, got.hashes)
                     return got
@@ -489,7 +489,7 @@ class Router:
         hashes, approximate, n_tokens = got.hashes, got.approximate, got.tokens
         if n_tokens is not None and got.rest is None:  # else counted exactly once the rest is hashed
             self.metrics.prompt_tokens.inc(n_tokens)
-        blocks = None if got.whole or n_tokens is None else n_tokens // self.settings.block_size
+        blocks = None if got.rest is None or n_tokens is None else n_tokens // self.settings.block_size
         matches = (self.approx if approximate else self.index).lookup(hashes)
         tie_key = hashes[0].to_bytes(8, "big") if hashes else self.prefix_key(req)
         room = {} if matches or approximate else {ep.url: self.index.blocks_of(ep.url) for ep in eps}
