@@ -88,7 +88,7 @@ def _dir_bytes(root: Path) -> int:
 class DirSampler(threading.Thread):
     """The largest size each directory reached, sampled every `period` seconds until stopped."""
 
-    def __init__(self, dirs: dict[str, Path], period: float = 0.2) -> None:
+    def __init__(self, dirs: dict[str, Path], period: float = 0.1) -> None:
         super().__init__(daemon=True)
         self.dirs, self.period = dirs, period
         self.max = dict.fromkeys(dirs, 0)
@@ -166,7 +166,9 @@ def test_three_tiers_hit_status_agrees_and_nvme_stays_in_budget(tiered_stack: St
 
     # The NVMe directory never exceeded its budget, though more than the budget was written to it.
     print(f"NVMe max bytes {sampler.max} vs budget {budgets} ({sampler.samples} samples)")
-    assert sampler.samples > 50
+    # It watched throughout: at least one pass a second (nominally ten). A fixed count failed on a busy
+    # CI machine where each pass over the directories took longer than the period.
+    assert sampler.samples >= max(10, int(took)), (sampler.samples, took)
     evicted_files = 0.0
     for pod, url in janitor.items():
         text = _get(url)
