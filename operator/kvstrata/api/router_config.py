@@ -200,6 +200,19 @@ class RouterSettings(_Wire):
         description="...or more than mean + this many in-flight requests, whichever is larger: at low "
         "concurrency a factor alone spills a prefix group onto engines that miss",
     )
+    share_bound_factor: float = Field(
+        1.3,
+        ge=1.0,
+        description="An engine short of KV room (recent demand over its pool) gets no more than this × "
+        "its fair share of the requests routed in the last fitWindowSeconds: a conversation moves "
+        "off it instead",
+    )
+    share_bound_slack: float = Field(
+        2.0,
+        ge=0,
+        description="...or more than its fair share + this many requests, whichever is larger: the first "
+        "requests of a group are not spread",
+    )
     fit_window_seconds: float = Field(
         30.0,
         gt=0,

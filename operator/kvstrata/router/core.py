@@ -37,11 +37,13 @@ from kvstrata.router.scoring import (
     EXPLAIN_AFTER_BOUNDED,
     EXPLAIN_BEFORE_BOUNDED,
     BoundedLoadFilter,
+    FitScorer,
     Outcome,
     Ranked,
     RecentScorer,
     RouteRequest,
     Scorer,
+    ShareBoundFilter,
     build_scorers,
     pick,
 )
@@ -89,6 +91,14 @@ def _settle_rest(
         done.set_exception(got)
     else:
         done.set_result(got)
+
+
+@dataclass(frozen=True, slots=True)
+class _Ranking:
+    ranked: list[Ranked]
+    dropped: list[Endpoint]  # by either bound, least loaded first: retries if all else fails
+    over_load: list[Endpoint]  # dropped by the in-flight bound
+    over_share: list[Endpoint]  # dropped by the share bound
 
 
 @dataclass(slots=True)
@@ -145,6 +155,12 @@ class Router:
         self.chunk_chars = settings.approx_chunk_chars or 4 * settings.block_size
         self.scorers: list[tuple[Scorer, float]] = build_scorers(settings)
         self.bounded = BoundedLoadFilter(settings.bounded_load_factor, settings.bounded_load_slack)
+        self.share = ShareBoundFilter(
+            settings.share_bound_factor,
+            settings.share_bound_slack,
+            settings.fit_window_seconds,
+            self.over_pool,
+        )
         self.policy = POLICIES[settings.policy](self)
         adm = settings.admission
         self.gate = Gate(
@@ -184,6 +200,7 @@ class Router:
         self.approx.drop_endpoint(ep.url)
         for scorer, _ in self.scorers:
             scorer.on_removed(ep)
+        self.share.on_removed(ep)
 
     def recent_requests(self, ep: Endpoint, now: float) -> float:
         """Routed requests sent to ``ep`` lately, as the recent scorer counts them (0 without one)."""
@@ -191,6 +208,14 @@ class Router:
             if isinstance(scorer, RecentScorer):
                 return scorer.recent_requests(ep, now)
         return 0.0
+
+    def over_pool(self, ep: Endpoint, now: float) -> bool:
+        """``ep`` was routed more distinct blocks lately than its pool holds, as the fit scorer counts
+        them (False without one)."""
+        for scorer, _ in self.scorers:
+            if isinstance(scorer, FitScorer):
+                return scorer.over_pool(ep, now)
+        return False
 
     def mark_down(self, ep: Endpoint) -> None:
         """An engine that refuses connections lost its cache (or will have when it is back)."""
@@ -506,9 +531,10 @@ class Router:
             time.monotonic(),
             blocks,
         )
-        ranked, dropped = self._rank(rreq, eps)
-        order = [r.endpoint for r in ranked] + dropped  # dropped: still worth a retry if all else fails
-        reason = self._reason(ranked, matches, dropped, approximate)
+        ranking = self._rank(rreq, eps)
+        ranked = ranking.ranked
+        order = [r.endpoint for r in ranked] + ranking.dropped  # dropped: a retry if all else fails
+        reason = self._reason(ranking, matches, approximate)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "route reason=%s blocks=%d%s approx=%s -> %s | %s",
@@ -559,12 +585,16 @@ class Router:
             ttl = self.index.ttl_left(pred)
             decision.prediction = self.index.predict(ep.url, hashes[:_MAX_PREDICTED_BLOCKS], ttl)
 
-    def _rank(self, rreq: RouteRequest, eps: list[Endpoint]) -> tuple[list[Ranked], list[Endpoint]]:
-        """The scorers' ranking of the endpoints the load bound keeps, and those it drops (least
-        loaded first)."""
-        kept = self.bounded.filter(rreq, eps)
-        dropped = sorted((ep for ep in eps if ep not in kept), key=lambda ep: ep.load)
-        return pick(rreq, kept, self.scorers), dropped
+    def _rank(self, rreq: RouteRequest, eps: list[Endpoint]) -> _Ranking:
+        """The scorers' ranking of the endpoints the load and share bounds keep, and those they drop."""
+        under_load = self.bounded.filter(rreq, eps)
+        kept = self.share.filter(rreq, under_load)
+        return _Ranking(
+            pick(rreq, kept, self.scorers),
+            sorted((ep for ep in eps if ep not in kept), key=lambda ep: ep.load),
+            [ep for ep in eps if ep not in under_load],
+            [ep for ep in under_load if ep not in kept],
+        )
 
     def retry_order(self, decision: Decision, left: list[Endpoint]) -> list[Endpoint]:
         """The endpoints still to try after a failed attempt, best first on the state now.
@@ -580,8 +610,8 @@ class Router:
         if decision.request is None or len(live) < 2:
             return live
         now = time.monotonic()
-        ranked, dropped = self._rank(replace(decision.request, now=now), live)
-        order = [r.endpoint for r in ranked] + dropped
+        ranking = self._rank(replace(decision.request, now=now), live)
+        order = [r.endpoint for r in ranking.ranked] + ranking.dropped
         return sorted(order, key=lambda ep: not self.heard(ep, now))  # stable: rank within each group
 
     def heard(self, ep: Endpoint, now: float) -> bool:
@@ -589,15 +619,10 @@ class Router:
         likely wedged, not yet ejected. Retries try it last and patience treats it as gone."""
         return ep.heard_within(self.settings.first_byte_timeout_seconds, now)
 
-    def _reason(
-        self,
-        ranked: list[Ranked],
-        matches: dict[str, PrefixMatch],
-        dropped: list[Endpoint],
-        approximate: bool,
-    ) -> Reason:
-        """Why the winner won: a prefix match, else the first scorer (or the load bound) that says it
-        decided, in the order of EXPLAIN_BEFORE_BOUNDED / EXPLAIN_AFTER_BOUNDED, else the totals."""
+    def _reason(self, ranking: _Ranking, matches: dict[str, PrefixMatch], approximate: bool) -> Reason:
+        """Why the winner won: a prefix match, else the first scorer (or bound) that says it decided,
+        in the order of EXPLAIN_BEFORE_BOUNDED / EXPLAIN_AFTER_BOUNDED, else the totals."""
+        ranked = ranking.ranked
         win = ranked[0]
         best = max((m.blocks for m in matches.values()), default=0)
         won = matches.get(win.endpoint.url)
@@ -616,7 +641,9 @@ class Router:
 
         reason = first(EXPLAIN_BEFORE_BOUNDED)
         if reason is None and best:
-            reason = self.bounded.explain(dropped, matches)
+            reason = self.bounded.explain(ranking.over_load, matches) or self.share.explain(
+                ranking.over_share, matches
+            )
         reason = reason or first(EXPLAIN_AFTER_BOUNDED)
         if reason is not None:
             return reason
@@ -637,6 +664,7 @@ class Router:
             hashes = () if decision.approximate else decision.hashes
             for scorer, _ in self.scorers:
                 scorer.on_routed(ep, now, hashes)
+            self.share.on_routed(ep, now)
         if not decision.hashes:
             return
         if decision.approximate:

@@ -11,6 +11,7 @@ class Reason(StrEnum):
     APPROX_PREFIX = "approx-prefix"  # the same, on the character-block fallback index
     SESSION = "session"  # the session id's rendezvous endpoint
     BOUNDED_LOAD = "bounded-load"  # the holder was over its load bound
+    SHARE_BOUND = "share-bound"  # the holder, short of room, had more than its share of recent requests
     QUEUE = "queue"  # the prefill queued at the holder outweighed its match
     RECENT = "recent"  # fewer live conversations decided it
     CACHE_ROOM = "cache-room"  # a new prefix went where the cache has most room

@@ -283,6 +283,11 @@ class FitScorer(ScorerHooks):
         blocks = self.demand.get(ep.url)
         return 0 if blocks is None else blocks.expire_before(now - self.window_s)
 
+    def over_pool(self, ep: Endpoint, now: float) -> bool:
+        """More distinct blocks were routed to ``ep`` lately than its pool holds (it evicts its own
+        groups between their requests); False while its pool size is unknown."""
+        return ep.kv_blocks > 0 and self.demand_blocks(ep, now) > ep.kv_blocks
+
     def on_routed(self, ep: Endpoint, now: float, hashes: Sequence[int] = ()) -> None:
         blocks = self.demand.get(ep.url)
         if blocks is None:
@@ -419,6 +424,55 @@ class BoundedLoadFilter:
     def explain(self, dropped: Sequence[Endpoint], matches: dict[str, PrefixMatch]) -> Reason | None:
         """Bounded load decided when it dropped an endpoint that holds part of the prompt."""
         return Reason.BOUNDED_LOAD if any(matches.get(ep.url) for ep in dropped) else None
+
+
+@dataclass(slots=True)
+class ShareBoundFilter:
+    """No engine that evicts its own recent groups takes more than ``factor`` × its fair share of the
+    requests routed lately (or fair share + ``slack``, whichever is larger).
+
+    Prefix affinity places whole prefix groups, so four groups on three engines put two on one engine:
+    it gets twice the requests of the others (a 1.5 max/mean split), queues, and, when its pool is short,
+    evicts its own groups' blocks between their turns. Moving one conversation off it costs one prefill
+    of what it reuses there, once, and the conversation stays at its new engine (that is where its
+    newest blocks are). The bound only acts on an engine *over its pool* (``over_pool``: the fit scorer's
+    demand exceeds its KV blocks), where the blocks a move gives up would likely be evicted before their
+    next use anyway; with room to spare a group stays together whatever the split. Requests count
+    exp(-age / ``window_s``), so the bound follows the traffic of the last window, not the whole day.
+    Never filters everything out."""
+
+    factor: float
+    slack: float
+    window_s: float
+    over_pool: Callable[[Endpoint, float], bool]
+    name: str = "share_bound"
+    # Per endpoint URL: requests routed there, fading, as of the monotonic time beside it.
+    sent: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def recent(self, ep: Endpoint, now: float) -> float:
+        value, at = self.sent.get(ep.url, (0.0, now))
+        return faded(value, now - at, self.window_s)
+
+    def on_routed(self, ep: Endpoint, now: float) -> None:
+        self.sent[ep.url] = (self.recent(ep, now) + 1.0, now)
+
+    def on_removed(self, ep: Endpoint) -> None:
+        self.sent.pop(ep.url, None)
+
+    def filter(self, req: RouteRequest, eps: Sequence[Endpoint]) -> list[Endpoint]:
+        if len(eps) < 2:
+            return list(eps)
+        counts = [self.recent(ep, req.now) for ep in eps]
+        fair = (sum(counts) + 1.0) / len(eps)
+        cap = max(self.factor * fair, fair + self.slack)
+        kept = [
+            ep for ep, n in zip(eps, counts, strict=True) if n + 1.0 <= cap or not self.over_pool(ep, req.now)
+        ]
+        return kept or list(eps)
+
+    def explain(self, dropped: Sequence[Endpoint], matches: dict[str, PrefixMatch]) -> Reason | None:
+        """The share bound decided when it dropped an endpoint that holds part of the prompt."""
+        return Reason.SHARE_BOUND if any(matches.get(ep.url) for ep in dropped) else None
 
 
 def pick(req: RouteRequest, eps: Sequence[Endpoint], scorers: Sequence[tuple[Scorer, float]]) -> list[Ranked]:

@@ -26,6 +26,7 @@ from kvstrata.router.scoring import (
     RecentScorer,
     RouteRequest,
     SessionScorer,
+    ShareBoundFilter,
     pick,
     rendezvous,
 )
@@ -148,6 +149,50 @@ def test_bounded_load_slack_keeps_a_prefix_group_together_at_low_concurrency() -
     # At high concurrency the factor dominates: 60 in flight, fair ~20.3, cap 31, slack irrelevant.
     hot = [ep("holder", in_flight=31), ep("b", in_flight=15), ep("c", in_flight=14)]
     assert "holder" not in [e.url for e in BoundedLoadFilter(1.5, slack=2).filter(RouteRequest(), hot)]
+
+
+def _share_bound(over: set[str], now: float = 100.0) -> ShareBoundFilter:
+    return ShareBoundFilter(1.3, 2.0, 30.0, lambda e, t: e.url in over)
+
+
+def test_share_bound_moves_requests_off_an_engine_short_of_room_with_more_than_its_share() -> None:
+    eps = [ep("hot"), ep("b"), ep("c")]
+    f = _share_bound(over={"hot"})
+    for _ in range(8):
+        f.on_routed(eps[0], 100.0)
+    for e in eps[1:]:
+        for _ in range(4):
+            f.on_routed(e, 100.0)
+    # fair (16 + 1) / 3 = 5.67, cap max(1.3 x 5.67, 5.67 + 2) = 7.67: hot (8 + 1) is over it.
+    req = RouteRequest(now=100.0)
+    assert [e.url for e in f.filter(req, eps)] == ["b", "c"]
+    # The same share on an engine with room to spare: its groups stay together.
+    assert [e.url for e in _share_bound(over=set()).filter(req, eps)] == ["hot", "b", "c"]
+    roomy = _share_bound(over=set())
+    roomy.sent = dict(f.sent)
+    assert [e.url for e in roomy.filter(req, eps)] == ["hot", "b", "c"]
+    # Within its share (or over it only by the slack) nothing is dropped: 6 against 4 and 4.
+    even = _share_bound(over={"hot", "b", "c"})
+    even.sent = {"hot": (6.0, 100.0), "b": (4.0, 100.0), "c": (4.0, 100.0)}
+    assert len(even.filter(req, eps)) == 3
+    # Never empty, and an engine that left is forgotten.
+    assert [e.url for e in f.filter(req, eps[:1])] == ["hot"]
+    f.on_removed(eps[0])
+    assert f.recent(eps[0], 100.0) == 0.0
+
+
+def test_share_bound_counts_fade_with_the_window() -> None:
+    f = _share_bound(over={"hot"})
+    hot, b, c = ep("hot"), ep("b"), ep("c")
+    for _ in range(8):
+        f.on_routed(hot, 0.0)
+    for _ in range(4):
+        f.on_routed(b, 0.0)
+        f.on_routed(c, 0.0)
+    assert f.recent(hot, 30.0) == pytest.approx(8 * faded(1.0, 30.0, 30.0))
+    assert "hot" not in [e.url for e in f.filter(RouteRequest(now=0.0), [hot, b, c])]
+    # Two windows later the old burst weighs little: 8 x e^-2 = 1.08 against 0.54 (cap 2.54 + ...).
+    assert "hot" in [e.url for e in f.filter(RouteRequest(now=60.0), [hot, b, c])]
 
 
 def test_cache_room_sends_an_unknown_prompt_to_the_emptiest_cache() -> None:
@@ -426,4 +471,45 @@ async def test_a_retry_tries_engines_heard_from_before_silent_ones() -> None:
     others[0].answered_at = 0.0
     others[0].streamed_at = now  # streaming counts as heard from too
     assert r.retry_order(d, left)[-1] is holder
+    r.close()
+
+
+async def test_share_bound_moves_a_group_off_an_engine_that_is_short_of_room_and_says_so() -> None:
+    r = _router("kv-aware")
+    for e in r.pool.all():
+        e.kv_blocks = 5  # tiny pools: two prompts of three blocks do not fit in one
+    prompts = [[g * 100 + i for i in range(12)] for g in range(4)]  # four prefix groups of 3 blocks
+    home: dict[int, Endpoint] = {}
+    for g, tokens in enumerate(prompts):
+        d = await r.decide(_req(tokens))
+        home[g] = d.order[0]
+        r.commit(d, d.order[0])
+    (doubled,) = [e for e in r.pool.all() if sum(h is e for h in home.values()) == 2]
+    groups = [g for g, h in home.items() if h is doubled]
+    # The doubled engine's two groups keep asking: it was routed more blocks than its pool and has
+    # more than its share, so a request of one of its groups goes elsewhere, with the reason.
+    reasons = []
+    for _ in range(6):
+        for g in groups:
+            d = await r.decide(_req(prompts[g]))
+            reasons.append((d.reason, d.order[0] is doubled))
+            r.commit(d, d.order[0])
+    assert ("share-bound", False) in reasons, reasons
+    assert ("prefix", True) in reasons
+    r.close()
+
+    # With room to spare (pools of 1,000 blocks) the same traffic stays with its groups' holder.
+    r = _router("kv-aware")
+    for e in r.pool.all():
+        e.kv_blocks = 1000
+    home = {}
+    for g, tokens in enumerate(prompts):
+        d = await r.decide(_req(tokens))
+        home[g] = d.order[0]
+        r.commit(d, d.order[0])
+    for _ in range(6):
+        for g in range(4):
+            d = await r.decide(_req(prompts[g]))
+            assert d.reason == "prefix" and d.order[0] is home[g]
+            r.commit(d, d.order[0])
     r.close()
