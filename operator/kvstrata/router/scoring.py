@@ -428,17 +428,26 @@ class BoundedLoadFilter:
 
 @dataclass(slots=True)
 class ShareBoundFilter:
-    """No engine that evicts its own recent groups takes more than ``factor`` × its fair share of the
-    requests routed lately (or fair share + ``slack``, whichever is larger).
+    """An engine short of KV room that has taken more than ``factor`` × its fair share of the requests
+    routed lately (or fair share + ``slack``, whichever is larger) gives one conversation to an engine
+    with room.
 
     Prefix affinity places whole prefix groups, so four groups on three engines put two on one engine:
     it gets twice the requests of the others (a 1.5 max/mean split), queues, and, when its pool is short,
     evicts its own groups' blocks between their turns. Moving one conversation off it costs one prefill
     of what it reuses there, once, and the conversation stays at its new engine (that is where its
-    newest blocks are). The bound only acts on an engine *over its pool* (``over_pool``: the fit scorer's
-    demand exceeds its KV blocks), where the blocks a move gives up would likely be evicted before their
-    next use anyway; with room to spare a group stays together whatever the split. Requests count
-    exp(-age / ``window_s``), so the bound follows the traffic of the last window, not the whole day.
+    newest blocks are). So the bound acts only when
+
+    - the engine is *over its pool* (``over_pool``: the fit scorer's demand exceeds its KV blocks), where
+      the blocks a move gives up would likely be evicted before their next use anyway (with room to
+      spare a group stays together whatever the split);
+    - some other engine is under the bound and not over its pool: a move between two engines that both
+      evict copies the conversation into a second thrashing pool;
+    - the engine has not given a request away in the last ``window_s`` seconds. Requests count
+      exp(-age / ``window_s``), so the counts show a move's effect only a window later; moving again
+      before that moves more conversations than the imbalance needs (seen: an engine back from an
+      outage, its count near zero, got four groups in a row and held none of them).
+
     Never filters everything out."""
 
     factor: float
@@ -448,6 +457,8 @@ class ShareBoundFilter:
     name: str = "share_bound"
     # Per endpoint URL: requests routed there, fading, as of the monotonic time beside it.
     sent: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # Per endpoint URL: when the bound last took a request away from it (monotonic).
+    gave_at: dict[str, float] = field(default_factory=dict)
 
     def recent(self, ep: Endpoint, now: float) -> float:
         value, at = self.sent.get(ep.url, (0.0, now))
@@ -458,17 +469,27 @@ class ShareBoundFilter:
 
     def on_removed(self, ep: Endpoint) -> None:
         self.sent.pop(ep.url, None)
+        self.gave_at.pop(ep.url, None)
 
     def filter(self, req: RouteRequest, eps: Sequence[Endpoint]) -> list[Endpoint]:
         if len(eps) < 2:
             return list(eps)
-        counts = [self.recent(ep, req.now) for ep in eps]
+        now = req.now
+        counts = [self.recent(ep, now) for ep in eps]
         fair = (sum(counts) + 1.0) / len(eps)
         cap = max(self.factor * fair, fair + self.slack)
-        kept = [
-            ep for ep, n in zip(eps, counts, strict=True) if n + 1.0 <= cap or not self.over_pool(ep, req.now)
-        ]
-        return kept or list(eps)
+        short = [self.over_pool(ep, now) for ep in eps]
+        under = [n + 1.0 <= cap for n in counts]
+        if not any(u and not s for u, s in zip(under, short, strict=True)):
+            return list(eps)  # no engine with room to take a conversation
+        kept = []
+        for ep, is_under, is_short in zip(eps, under, short, strict=True):
+            gave = self.gave_at.get(ep.url)
+            if is_under or not is_short or (gave is not None and now - gave < self.window_s):
+                kept.append(ep)
+            else:
+                self.gave_at[ep.url] = now
+        return kept
 
     def explain(self, dropped: Sequence[Endpoint], matches: dict[str, PrefixMatch]) -> Reason | None:
         """The share bound decided when it dropped an endpoint that holds part of the prompt."""

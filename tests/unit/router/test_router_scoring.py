@@ -151,34 +151,38 @@ def test_bounded_load_slack_keeps_a_prefix_group_together_at_low_concurrency() -
     assert "holder" not in [e.url for e in BoundedLoadFilter(1.5, slack=2).filter(RouteRequest(), hot)]
 
 
-def _share_bound(over: set[str], now: float = 100.0) -> ShareBoundFilter:
-    return ShareBoundFilter(1.3, 2.0, 30.0, lambda e, t: e.url in over)
+def _share_bound(over: set[str], sent: dict[str, float] | None = None) -> ShareBoundFilter:
+    f = ShareBoundFilter(1.3, 2.0, 30.0, lambda e, t: e.url in over)
+    f.sent = {url: (n, 100.0) for url, n in (sent or {}).items()}
+    return f
 
 
-def test_share_bound_moves_requests_off_an_engine_short_of_room_with_more_than_its_share() -> None:
+def _kept(f: ShareBoundFilter, eps: list[Endpoint], now: float = 100.0) -> list[str]:
+    return [e.url for e in f.filter(RouteRequest(now=now), eps)]
+
+
+def test_share_bound_gives_one_conversation_of_an_engine_short_of_room_to_one_with_room() -> None:
     eps = [ep("hot"), ep("b"), ep("c")]
-    f = _share_bound(over={"hot"})
-    for _ in range(8):
-        f.on_routed(eps[0], 100.0)
-    for e in eps[1:]:
-        for _ in range(4):
-            f.on_routed(e, 100.0)
     # fair (16 + 1) / 3 = 5.67, cap max(1.3 x 5.67, 5.67 + 2) = 7.67: hot (8 + 1) is over it.
-    req = RouteRequest(now=100.0)
-    assert [e.url for e in f.filter(req, eps)] == ["b", "c"]
+    share = {"hot": 8.0, "b": 4.0, "c": 4.0}
+    f = _share_bound(over={"hot"}, sent=share)
+    assert _kept(f, eps) == ["b", "c"]
+    # One at a time: for a window after it gave a request away it keeps its requests (the counts show
+    # the move only a window later), then it may give again.
+    assert _kept(f, eps, now=110.0) == ["hot", "b", "c"]
+    f.sent = {url: (n, 131.0) for url, n in share.items()}
+    assert _kept(f, eps, now=131.0) == ["b", "c"]
     # The same share on an engine with room to spare: its groups stay together.
-    assert [e.url for e in _share_bound(over=set()).filter(req, eps)] == ["hot", "b", "c"]
-    roomy = _share_bound(over=set())
-    roomy.sent = dict(f.sent)
-    assert [e.url for e in roomy.filter(req, eps)] == ["hot", "b", "c"]
-    # Within its share (or over it only by the slack) nothing is dropped: 6 against 4 and 4.
-    even = _share_bound(over={"hot", "b", "c"})
-    even.sent = {"hot": (6.0, 100.0), "b": (4.0, 100.0), "c": (4.0, 100.0)}
-    assert len(even.filter(req, eps)) == 3
+    assert _kept(_share_bound(over=set(), sent=share), eps) == ["hot", "b", "c"]
+    # No engine with room to take it (all short of room): nothing moves.
+    assert _kept(_share_bound(over={"hot", "b", "c"}, sent=share), eps) == ["hot", "b", "c"]
+    # Within its share (over it only by the slack) nothing is dropped: 6 against 4 and 4.
+    assert len(_kept(_share_bound(over={"hot"}, sent={"hot": 6.0, "b": 4.0, "c": 4.0}), eps)) == 3
     # Never empty, and an engine that left is forgotten.
-    assert [e.url for e in f.filter(req, eps[:1])] == ["hot"]
+    assert _kept(_share_bound(over={"hot"}, sent=share), eps[:1]) == ["hot"]
+    f.on_routed(eps[0], 131.0)
     f.on_removed(eps[0])
-    assert f.recent(eps[0], 100.0) == 0.0
+    assert f.recent(eps[0], 131.0) == 0.0 and "hot" not in f.gave_at
 
 
 def test_share_bound_counts_fade_with_the_window() -> None:
@@ -190,9 +194,9 @@ def test_share_bound_counts_fade_with_the_window() -> None:
         f.on_routed(b, 0.0)
         f.on_routed(c, 0.0)
     assert f.recent(hot, 30.0) == pytest.approx(8 * faded(1.0, 30.0, 30.0))
-    assert "hot" not in [e.url for e in f.filter(RouteRequest(now=0.0), [hot, b, c])]
-    # Two windows later the old burst weighs little: 8 x e^-2 = 1.08 against 0.54 (cap 2.54 + ...).
-    assert "hot" in [e.url for e in f.filter(RouteRequest(now=60.0), [hot, b, c])]
+    assert "hot" not in _kept(f, [hot, b, c], now=0.0)
+    # Two windows on, nothing new routed: 8 x e^-2 = 1.08 against 0.54 each, inside fair + slack.
+    assert "hot" in _kept(f, [hot, b, c], now=60.0)
 
 
 def test_cache_room_sends_an_unknown_prompt_to_the_emptiest_cache() -> None:
