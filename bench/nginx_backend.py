@@ -47,6 +47,31 @@ def completion_body() -> str:
     )
 
 
+def chat_body() -> str:
+    return json.dumps(
+        {
+            "id": "chatcmpl-bench",
+            "object": "chat.completion",
+            "created": 1,
+            "model": MODEL,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": " lorem" * _COMPLETION_TOKENS},
+                    "logprobs": None,
+                    "finish_reason": "length",
+                }
+            ],
+            "usage": {
+                "prompt_tokens": 100,
+                "total_tokens": 100 + _COMPLETION_TOKENS,
+                "completion_tokens": _COMPLETION_TOKENS,
+            },
+        },
+        separators=(",", ":"),
+    )
+
+
 def sse_body() -> str:
     events = []
     for i in range(SSE_CHUNKS):
@@ -94,6 +119,7 @@ def render_conf(prefix: Path, json_ports: list[int], sse_ports: list[int]) -> st
         location = /health {{ return 200 ''; }}
         location = /v1/models {{ default_type application/json; return 200 {_nginx_string(models_body())}; }}
         location = /v1/completions {{ default_type {default_type}; return 200 {_nginx_string(body)}; }}
+        location = /v1/chat/completions {{ default_type application/json; return 200 {_nginx_string(chat_body())}; }}
         location / {{ default_type application/json; return 200 '{{}}'; }}
     }}"""
 

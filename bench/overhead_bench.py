@@ -8,10 +8,13 @@ twice in a row: straight to nginx, then through the router; the figure is the pa
 
 - cold: every request a prompt the router has never seen (distinct text from the first character);
 - extend: a conversation: the first turn is sent untimed, then every timed request is the previous
-  prompt plus a new turn of about 40 tokens (what a multi-turn chat or an agent sends).
+  prompt plus a new turn of about 40 tokens (what a multi-turn chat or an agent sends);
+- cold-chat, extend-chat: the same prompts as chat (/v1/chat/completions): the text is a system
+  message followed by a short question, and each new turn appends an answer and a question.
 
 The reference for cold prompts is the engine's own tokenization of the same prompt: the Rust tokenizer
-vLLM's fast tokenizer wraps (`tokenizers.Tokenizer.encode`), timed in this process. Figures are printed
+vLLM's fast tokenizer wraps (`tokenizers.Tokenizer.encode`), timed in this process; for chat, the
+rendering of the model's chat template (jinja, as vLLM renders it) plus that tokenization. Figures are printed
 side by side and written to .bench/overhead.json; the benchmark never fails the build on a figure.
 """
 
@@ -23,8 +26,9 @@ import json
 import os
 import random
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 from bench import nginx_backend
@@ -34,7 +38,8 @@ from bench.routers import RouterConfig, Worker, start_router
 
 DEFAULT_ROUTERS = ("kvstrata/kv-aware", "sglang-router/cache_aware", "vllm-router/cache_aware")
 DEFAULT_SIZES = (1024, 8192, 32768, 131072)
-MODES = ("cold", "extend")
+MODES = ("cold", "extend", "cold-chat", "extend-chat")
+_QUESTION = "What does the text above say? Answer briefly."
 _TURN_WORDS = 30  # ~40 tokens of the tiny model per new turn
 
 
@@ -91,9 +96,14 @@ class Prompts:
         return "\n\nUser: " + " ".join(words) + "\nAssistant:"
 
 
-def _post(conn: http.client.HTTPConnection, body: bytes) -> tuple[int, float]:
+class Request(NamedTuple):
+    path: str
+    body: bytes
+
+
+def _post(conn: http.client.HTTPConnection, req: Request) -> tuple[int, float]:
     t0 = time.perf_counter()
-    conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+    conn.request("POST", req.path, body=req.body, headers={"Content-Type": "application/json"})
     resp = conn.getresponse()
     resp.read()
     return resp.status, time.perf_counter() - t0
@@ -104,12 +114,28 @@ def _conn(url: str) -> http.client.HTTPConnection:
     return http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port or 80, timeout=120)
 
 
-def _body(prompt: str) -> bytes:
-    return json.dumps({"model": nginx_backend.MODEL, "prompt": prompt, "max_tokens": 16}).encode()
+def completion(prompt: str) -> Request:
+    body = {"model": nginx_backend.MODEL, "prompt": prompt, "max_tokens": 16}
+    return Request("/v1/completions", json.dumps(body).encode())
+
+
+def chat(messages: list[dict[str, str]]) -> Request:
+    body = {"model": nginx_backend.MODEL, "messages": messages, "max_tokens": 16}
+    return Request("/v1/chat/completions", json.dumps(body).encode())
+
+
+def chat_messages(text: str) -> list[dict[str, str]]:
+    """A long prompt as chat: the text as the system message, then a short question."""
+    return [{"role": "system", "content": text}, {"role": "user", "content": _QUESTION}]
+
+
+def chat_turn(messages: list[dict[str, str]], turn: str) -> list[dict[str, str]]:
+    """The conversation one turn on: an answer, then the new turn's words as the next question."""
+    return [*messages, {"role": "assistant", "content": "It says little."}, {"role": "user", "content": turn}]
 
 
 def _measure(
-    direct_url: str, router_url: str, prompts: list[str], warm: str | None, pgid: int
+    direct_url: str, router_url: str, prompts: list[Request], warm: Request | None, pgid: int
 ) -> dict[str, Any]:
     direct, routed = _conn(direct_url), _conn(router_url)
     added: list[float] = []
@@ -117,13 +143,12 @@ def _measure(
     cpu = 0.0
     try:
         if warm is not None:  # the conversation's first turn, untimed
-            _post(routed, _body(warm))
+            _post(routed, warm)
             _settle(router_url)  # processed, as it would be by the time an engine answered it
         cpu0 = group_cpu_seconds(pgid)
-        for p in prompts:
-            body = _body(p)
-            s1, t_direct = _post(direct, body)
-            s2, t_router = _post(routed, body)
+        for req in prompts:
+            s1, t_direct = _post(direct, req)
+            s2, t_router = _post(routed, req)
             if s1 != 200 or s2 != 200:
                 errors += 1
                 continue
@@ -162,11 +187,11 @@ def _r(v: float | None) -> float | None:
     return None if v is None else round(v, 3)
 
 
-def _engine_tokenize_ms(tok: Any, prompts: list[str]) -> float | None:
+def _engine_tokenize_ms(encode: Callable[[Any], object], prompts: Sequence[Any]) -> float | None:
     times = []
     for p in prompts:
         t0 = time.perf_counter()
-        tok.encode(p, add_special_tokens=True)
+        encode(p)
         times.append((time.perf_counter() - t0) * 1e3)
     return _r(percentile(times, 50))
 
@@ -174,6 +199,7 @@ def _engine_tokenize_ms(tok: Any, prompts: list[str]) -> float | None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from tokenizers import Tokenizer
 
+    from kvstrata.router.prompts import LocalTokenizer
     from kvstrata_dev.testing.tinymodel import default_tiny_model_dir, ensure_tiny_model
 
     routers = [r.strip() for r in args.routers.split(",") if r.strip()]
@@ -182,16 +208,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     gen = Prompts(tok)
     # The same prompts for every router: cold ones fresh to each (a fresh router process each time).
-    cold = {n: [gen.cold(n, i) for i in range(args.requests)] for n in sizes}
-    convs: dict[int, tuple[str, list[str]]] = {}
+    cells: dict[tuple[int, str], tuple[list[Request], Request | None]] = {}
+    engine_ms: dict[str, float | None] = {}
+    chat_tok = LocalTokenizer(model_dir)
     for n in sizes:
+        cold = [gen.cold(n, i) for i in range(args.requests)]
         first = gen.cold(n, 10_000 + n)
-        turns, prompt = [], first
+        prompts, messages = [first], [chat_messages(first)]
         for _ in range(args.requests):
-            prompt += gen.turn()
-            turns.append(prompt)
-        convs[n] = (first, turns)
-    engine_ms = {n: _engine_tokenize_ms(tok, cold[n][:5]) for n in sizes}
+            turn = gen.turn()
+            prompts.append(prompts[-1] + turn)
+            messages.append(chat_turn(messages[-1], turn))
+        cells[n, "cold"] = [completion(p) for p in cold], None
+        cells[n, "extend"] = [completion(p) for p in prompts[1:]], completion(first)
+        cells[n, "cold-chat"] = [chat(chat_messages(p)) for p in cold], None
+        cells[n, "extend-chat"] = [chat(m) for m in messages[1:]], chat(messages[0])
+        engine_ms[f"{n}"] = _engine_tokenize_ms(lambda p: tok.encode(p, add_special_tokens=True), cold[:5])
+        engine_ms[f"{n}/chat"] = _engine_tokenize_ms(
+            lambda p: chat_tok.encode_chat(chat_messages(p)), cold[:5]
+        )
     cfg = RouterConfig(model=nginx_backend.MODEL, tokenizer_dir=model_dir, block_size=32)
     results: list[dict[str, Any]] = []
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -205,10 +240,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 pgid = running.proc.popen.pid
                 for n in sizes:
                     for mode in MODES:
-                        if mode == "cold":
-                            row = _measure(direct_url, running.url, cold[n], None, pgid)
-                        else:
-                            row = _measure(direct_url, running.url, convs[n][1], convs[n][0], pgid)
+                        row = _measure(direct_url, running.url, *cells[n, mode], pgid)
                         row.update(router=name, tokens=n, mode=mode)
                         results.append(row)
                         print(
@@ -255,8 +287,9 @@ def render(payload: dict[str, Any]) -> str:
         headers += [f"{r} p50 / p90 (p10)", "cpu/req"]
     rows = []
     for (n, mode), by in sorted(rows_by.items()):
-        eng = payload["engine_tokenize_p50_ms"].get(str(n), payload["engine_tokenize_p50_ms"].get(n))
-        cells = [str(n), mode, fmt(eng, 2) if mode == "cold" else ""]
+        key = f"{n}/chat" if mode.endswith("chat") else f"{n}"
+        eng = payload["engine_tokenize_p50_ms"].get(key)
+        cells = [str(n), mode, fmt(eng, 2) if mode.startswith("cold") else ""]
         for name in routers:
             r = by.get(name)
             if r is None:

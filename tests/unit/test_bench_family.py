@@ -157,6 +157,17 @@ def test_seed_lists_and_router_variants() -> None:
         "KVSTRATA_ROUTER_ADMISSION": '{"enabled": false}'
     }
     assert variant_env("sglang-router/cache_aware") == {}
+    # The variants' variables are settings the router takes: each changes exactly its field.
+    from kvstrata.api.router_config import RouterSettings
+    from kvstrata.router.main import env_settings
+
+    def settings(variant: str) -> RouterSettings:
+        base = {"model": "m"}
+        return RouterSettings.model_validate({**base, **env_settings(variant_env(variant), base)})
+
+    assert settings("kvstrata/kv-aware@no-share-bound").share_bound_factor == 1000
+    assert settings("kvstrata/kv-aware").share_bound_factor == 1.3
+    assert settings("kvstrata/kv-aware@no-admission").admission.enabled is False
     for bad in ("kvstrata/kv-aware@nope", "sglang-router/cache_aware@no-admission"):
         with pytest.raises(BenchError, match="variant"):
             variant_env(bad)

@@ -151,7 +151,11 @@ class LocalTokenizer:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> list[int]:
-        return self._ids(self.render_chat(messages, **kwargs), add_special_tokens=False)
+        return self.encode_rendered(self.render_chat(messages, **kwargs))
+
+    def encode_rendered(self, rendered: str) -> list[int]:
+        """A rendered chat conversation's ids: the template wrote the special tokens already."""
+        return self._ids(rendered, add_special_tokens=False)
 
 
 def chat_template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:

@@ -50,6 +50,11 @@ def completion(text: str) -> ParsedRequest:
     return ParsedRequest("completion", {}, "m", False, text=text)
 
 
+def chat(messages: list[dict[str, str]]) -> ParsedRequest:
+    size = sum(len(m["content"]) for m in messages)
+    return ParsedRequest("chat", {}, "m", False, messages=messages, size=size)
+
+
 def counter(router: Router, rest: str = "deferred") -> float:
     name = "kvstrata_router_routed_on_leading_blocks_total"
     return router.metrics.registry.get_sample_value(name, {"rest": rest}) or 0.0
@@ -92,6 +97,33 @@ async def test_a_long_cold_prompt_is_routed_on_its_leading_blocks_and_completed_
     )
 
 
+async def test_a_long_cold_chat_is_routed_on_its_leading_blocks_and_its_next_turn_walks_it(
+    router: Router, tok: LocalTokenizer
+) -> None:
+    """Chat too: the rendered conversation is probed, routed on its first blocks, completed after the
+    decision with the engine's exact ids, and the next turn reuses what was hashed."""
+    messages = [{"role": "system", "content": document(3, 3000)}, {"role": "user", "content": "summarise"}]
+    full = block_hashes(tok.encode_chat(messages), BLOCK)
+    decision = await router.decide(chat(messages))
+    assert counter(router) == 1
+    assert 0 < len(decision.hashes) < len(full) // 10
+    assert list(decision.hashes) == list(full[: len(decision.hashes)])
+    ep = decision.order[0]
+    router.commit(decision, ep)
+    await rest_done(router)
+    assert list(decision.hashes) == list(full)
+    assert router.index.lookup(full)[ep.url].blocks == len(full)
+    turn = [
+        *messages,
+        {"role": "assistant", "content": "it is about golf"},
+        {"role": "user", "content": "more"},
+    ]
+    second = await router.decide(chat(turn))
+    assert counter(router) == 1  # the engine holds the start: hashed in full, mostly from the cache
+    assert list(second.hashes) == list(block_hashes(tok.encode_chat(turn), BLOCK))
+    assert second.order[0] is ep and second.reason == "prefix"
+
+
 async def test_the_next_turn_walks_what_was_hashed_after_the_decision(
     router: Router, tok: LocalTokenizer
 ) -> None:
@@ -117,14 +149,14 @@ async def test_a_request_for_a_document_being_hashed_waits_for_that_work(
     text = document(5, 3000)
     turn = text + " and then the user asks one more short question about it"
     release = threading.Event()
-    real = router._finish_completion
+    real = router._finish
 
-    def held_back(text: str, walked: Any, parallel: bool = True) -> Any:
+    def held_back(enc: Any, text: str, walked: Any, parallel: bool = True) -> Any:
         if not parallel:  # the first request's rest, hashed after its decision
             assert release.wait(10)
-        return real(text, walked, parallel)
+        return real(enc, text, walked, parallel)
 
-    router._finish_completion = held_back  # type: ignore[method-assign]
+    router._finish = held_back  # type: ignore[method-assign]
     first = await router.decide(completion(text))
     router.commit(first, first.order[0])
     second = asyncio.ensure_future(router.decide(completion(turn)))
