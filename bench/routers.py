@@ -27,8 +27,8 @@ PEER_POLICIES = {
 # paired per draw like a peer (the router's settings come from KVSTRATA_ROUTER_<FIELD> variables).
 KVSTRATA_VARIANTS: dict[str, dict[str, str]] = {
     "no-admission": {"KVSTRATA_ROUTER_ADMISSION": '{"enabled": false}'},
-    # A factor no share can reach: the share bound never drops an engine.
-    "no-share-bound": {"KVSTRATA_ROUTER_SHARE_BOUND_FACTOR": "1000"},
+    # The share bound (off by default) at the factor it was built with.
+    "share-bound": {"KVSTRATA_ROUTER_SHARE_BOUND_FACTOR": "1.3"},
 }
 
 

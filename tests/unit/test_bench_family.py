@@ -165,8 +165,8 @@ def test_seed_lists_and_router_variants() -> None:
         base = {"model": "m"}
         return RouterSettings.model_validate({**base, **env_settings(variant_env(variant), base)})
 
-    assert settings("kvstrata/kv-aware@no-share-bound").share_bound_factor == 1000
-    assert settings("kvstrata/kv-aware").share_bound_factor == 1.3
+    assert settings("kvstrata/kv-aware@share-bound").share_bound_factor == 1.3
+    assert settings("kvstrata/kv-aware").share_bound_factor is None
     assert settings("kvstrata/kv-aware@no-admission").admission.enabled is False
     for bad in ("kvstrata/kv-aware@nope", "sglang-router/cache_aware@no-admission"):
         with pytest.raises(BenchError, match="variant"):

@@ -200,12 +200,13 @@ class RouterSettings(_Wire):
         description="...or more than mean + this many in-flight requests, whichever is larger: at low "
         "concurrency a factor alone spills a prefix group onto engines that miss",
     )
-    share_bound_factor: float = Field(
-        1.3,
+    share_bound_factor: float | None = Field(
+        None,
         ge=1.0,
-        description="An engine short of KV room (recent demand over its pool) gets no more than this × "
-        "its fair share of the requests routed in the last fitWindowSeconds: a conversation moves "
-        "off it instead",
+        description="Off unless set. An engine short of KV room (recent demand over its pool) gets no "
+        "more than this × its fair share of the requests routed in the last fitWindowSeconds: a "
+        "conversation moves off it instead. Evens the split at a cost in hit rate under memory pressure "
+        "(measured in docs/benchmarks.md)",
     )
     share_bound_slack: float = Field(
         2.0,

@@ -472,7 +472,7 @@ class ShareBoundFilter:
         self.gave_at.pop(ep.url, None)
 
     def filter(self, req: RouteRequest, eps: Sequence[Endpoint]) -> list[Endpoint]:
-        if len(eps) < 2:
+        if len(eps) < 2 or math.isinf(self.factor):  # off
             return list(eps)
         now = req.now
         counts = [self.recent(ep, now) for ep in eps]

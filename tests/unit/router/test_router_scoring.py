@@ -282,7 +282,7 @@ def test_picker_ties_follow_rendezvous_of_the_tie_key() -> None:
     assert len(winners) > 1
 
 
-def _router(policy: str) -> Router:
+def _router(policy: str, **extra: object) -> Router:
     settings = RouterSettings.model_validate(
         {
             "model": "m",
@@ -290,6 +290,7 @@ def _router(policy: str) -> Router:
             "policy": policy,
             "remoteTokenize": False,
             "approxChunkChars": 4,
+            **extra,
         }
     )
     r = Router(settings, RouterMetrics())
@@ -478,42 +479,36 @@ async def test_a_retry_tries_engines_heard_from_before_silent_ones() -> None:
     r.close()
 
 
-async def test_share_bound_moves_a_group_off_an_engine_that_is_short_of_room_and_says_so() -> None:
-    r = _router("kv-aware")
+async def _doubled_traffic(r: Router, pool: int) -> list[tuple[str, bool]]:
+    """Four prefix groups of three blocks on three engines of ``pool`` blocks each, then the engine that
+    got two of them hears from both, six times: (reason, sent to that engine) per request."""
     for e in r.pool.all():
-        e.kv_blocks = 5  # tiny pools: two prompts of three blocks do not fit in one
-    prompts = [[g * 100 + i for i in range(12)] for g in range(4)]  # four prefix groups of 3 blocks
+        e.kv_blocks = pool
+    prompts = [[g * 100 + i for i in range(12)] for g in range(4)]
     home: dict[int, Endpoint] = {}
     for g, tokens in enumerate(prompts):
         d = await r.decide(_req(tokens))
         home[g] = d.order[0]
         r.commit(d, d.order[0])
     (doubled,) = [e for e in r.pool.all() if sum(h is e for h in home.values()) == 2]
-    groups = [g for g, h in home.items() if h is doubled]
-    # The doubled engine's two groups keep asking: it was routed more blocks than its pool and has
-    # more than its share, so a request of one of its groups goes elsewhere, with the reason.
-    reasons = []
+    seen = []
     for _ in range(6):
-        for g in groups:
+        for g in (g for g, h in home.items() if h is doubled):
             d = await r.decide(_req(prompts[g]))
-            reasons.append((d.reason, d.order[0] is doubled))
+            seen.append((str(d.reason), d.order[0] is doubled))
             r.commit(d, d.order[0])
-    assert ("share-bound", False) in reasons, reasons
-    assert ("prefix", True) in reasons
     r.close()
+    return seen
 
+
+async def test_share_bound_moves_a_group_off_an_engine_that_is_short_of_room_and_says_so() -> None:
+    # Pools of 5 blocks: the doubled engine was routed more than its pool and has more than its share,
+    # so a request of one of its groups goes elsewhere, with the reason.
+    seen = await _doubled_traffic(_router("kv-aware", shareBoundFactor=1.3), pool=5)
+    assert ("share-bound", False) in seen and ("prefix", True) in seen, seen
     # With room to spare (pools of 1,000 blocks) the same traffic stays with its groups' holder.
-    r = _router("kv-aware")
-    for e in r.pool.all():
-        e.kv_blocks = 1000
-    home = {}
-    for g, tokens in enumerate(prompts):
-        d = await r.decide(_req(tokens))
-        home[g] = d.order[0]
-        r.commit(d, d.order[0])
-    for _ in range(6):
-        for g in range(4):
-            d = await r.decide(_req(prompts[g]))
-            assert d.reason == "prefix" and d.order[0] is home[g]
-            r.commit(d, d.order[0])
-    r.close()
+    seen = await _doubled_traffic(_router("kv-aware", shareBoundFactor=1.3), pool=1000)
+    assert set(seen) == {("prefix", True)}, seen
+    # Off by default (it cost hit rate in the family benchmark): the groups stay, short of room or not.
+    seen = await _doubled_traffic(_router("kv-aware"), pool=5)
+    assert set(seen) == {("prefix", True)}, seen
