@@ -21,55 +21,33 @@ SSE_CHUNKS = 16
 _COMPLETION_TOKENS = 16
 
 
+def _answer(id_: str, kind: str, choice: dict[str, object]) -> str:
+    """A canned non-streamed answer of _COMPLETION_TOKENS tokens: ``choice`` is the text or message."""
+    usage = {
+        "prompt_tokens": 100,
+        "total_tokens": 100 + _COMPLETION_TOKENS,
+        "completion_tokens": _COMPLETION_TOKENS,
+    }
+    body = {
+        "id": id_,
+        "object": kind,
+        "created": 1,
+        "model": MODEL,
+        "choices": [{"index": 0, **choice, "logprobs": None, "finish_reason": "length"}],
+        "usage": usage,
+    }
+    return json.dumps(body, separators=(",", ":"))
+
+
 def completion_body() -> str:
-    return json.dumps(
-        {
-            "id": "cmpl-bench",
-            "object": "text_completion",
-            "created": 1,
-            "model": MODEL,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": " lorem" * _COMPLETION_TOKENS,
-                    "logprobs": None,
-                    "finish_reason": "length",
-                    "stop_reason": None,
-                }
-            ],
-            "usage": {
-                "prompt_tokens": 100,
-                "total_tokens": 100 + _COMPLETION_TOKENS,
-                "completion_tokens": _COMPLETION_TOKENS,
-            },
-        },
-        separators=(",", ":"),
+    return _answer(
+        "cmpl-bench", "text_completion", {"text": " lorem" * _COMPLETION_TOKENS, "stop_reason": None}
     )
 
 
 def chat_body() -> str:
-    return json.dumps(
-        {
-            "id": "chatcmpl-bench",
-            "object": "chat.completion",
-            "created": 1,
-            "model": MODEL,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": " lorem" * _COMPLETION_TOKENS},
-                    "logprobs": None,
-                    "finish_reason": "length",
-                }
-            ],
-            "usage": {
-                "prompt_tokens": 100,
-                "total_tokens": 100 + _COMPLETION_TOKENS,
-                "completion_tokens": _COMPLETION_TOKENS,
-            },
-        },
-        separators=(",", ":"),
-    )
+    message = {"role": "assistant", "content": " lorem" * _COMPLETION_TOKENS}
+    return _answer("chatcmpl-bench", "chat.completion", {"message": message})
 
 
 def sse_body() -> str:
