@@ -28,6 +28,11 @@ from kvstrata_dev.testing.engines import VllmEngine, free_port
 
 PVC_BYTES = 40 << 20
 BUDGET = 24 << 20
+# A polling janitor bounds the directory only if less than the budget is written between two passes. The
+# engine here writes its fs tier at ~100 MB/s (5 MB per 50 ms, sampled on 2026-11-25), so at 0.2 s a pass
+# came 20-26 MB after the last and the budget was overrun by up to 1 MiB. In a pod the interval is 1 s
+# against budgets of gigabytes.
+JANITOR_INTERVAL_S = 0.05
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +75,20 @@ class Sampler(threading.Thread):
             time.sleep(0.05)
 
 
+def _wait_serving(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, f"the janitor exited with {proc.returncode}"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, f"the janitor did not serve {url} within {timeout_s:.0f}s"
+        time.sleep(0.1)
+
+
 def test_janitor_keeps_the_budget_then_a_full_pvc_does_not_crash_the_engine(
     engine_on_pvc: VllmEngine, pvc: Path, tmp_path: Path
 ) -> None:
@@ -78,15 +97,27 @@ def test_janitor_keeps_the_budget_then_a_full_pvc_does_not_crash_the_engine(
     janitor = subprocess.Popen(
         [
             *(sys.executable, "-m", "kvstrata.engine.fsjanitor", "--root", str(pvc)),
-            *("--budget-bytes", str(BUDGET), "--interval", "0.2", "--metrics-port", str(port)),
+            *(
+                "--budget-bytes",
+                str(BUDGET),
+                "--interval",
+                str(JANITOR_INTERVAL_S),
+                "--metrics-port",
+                str(port),
+            ),
         ],
         env={**os.environ, "PYTHONPATH": str(REPO / "operator")},
         stdout=open(tmp_path / "janitor.log", "wb"),  # noqa: SIM115 - the child owns it
         stderr=subprocess.STDOUT,
     )
     sampler = Sampler(pvc)
-    sampler.start()
     try:
+        # The janitor first, as in the pod (a sidecar that is running before the engine serves): on a fast
+        # machine the whole workload below took less time than the janitor's start-up, and the tier filled
+        # the PVC before its first pass.
+        _wait_serving(f"http://127.0.0.1:{port}/metrics", janitor)
+        time.sleep(4 * JANITOR_INTERVAL_S)  # a few passes
+        sampler.start()
         for n in range(100, 125):
             eng.complete(prompt(n), max_tokens=1)
         time.sleep(2)
@@ -94,7 +125,8 @@ def test_janitor_keeps_the_budget_then_a_full_pvc_does_not_crash_the_engine(
             text = resp.read().decode()
     finally:
         sampler.stop.set()
-        sampler.join()
+        if sampler.is_alive():
+            sampler.join()
         janitor.terminate()
         janitor.wait(timeout=10)
     evicted = metric(text, "kvstrata_fs_tier_evicted_bytes_total")
