@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -104,3 +105,26 @@ def test_the_eviction_log_serves_each_hash_once_and_says_what_it_dropped() -> No
     # A number from another epoch (the janitor restarted): nothing, and told.
     assert log.since(99) == {"epoch": log.epoch, "next": 6, "hashes": [], "missed": True}
     assert EvictionLog().epoch != log.epoch
+
+
+def test_passes_come_sooner_as_the_tier_grows_faster_and_keep_room_for_one_pass() -> None:
+    from kvstrata.engine.fsjanitor import MIN_INTERVAL_S, pacing
+
+    budget = 60 << 20
+    # Nothing written yet: the configured interval, nothing reserved.
+    assert pacing(budget, 0.0, 1.0) == (1.0, 0)
+    # Slow growth (1 MB/s against 60 MiB): the interval stands, one second's growth is kept free.
+    sleep, reserve = pacing(budget, 1e6, 1.0)
+    assert sleep == 1.0 and reserve == 1_000_000
+    # A CPU engine's ~100 MB/s: a pass every ~63 ms, so one pass's growth is a tenth of the budget.
+    sleep, reserve = pacing(budget, 100e6, 1.0)
+    assert MIN_INTERVAL_S <= sleep < 0.1 and reserve == pytest.approx(0.1 * budget, rel=0.01)
+    # Faster still: never more often than MIN_INTERVAL_S, and the reserve grows with the rate instead.
+    sleep, reserve = pacing(budget, 1e9, 1.0)
+    assert sleep == MIN_INTERVAL_S and reserve == math.ceil(1e9 * MIN_INTERVAL_S)
+    # The marks then keep the growth until the next pass under the budget.
+    one_pass = pacing(budget, 100e6, 1.0)[1]
+    d = choose_victims(
+        [f(str(i), 1 << 20, i) for i in range(58)], budget_bytes=budget, reserve_bytes=one_pass
+    )
+    assert d.victims and d.after_bytes + one_pass <= budget
