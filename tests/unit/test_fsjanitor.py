@@ -113,16 +113,18 @@ def test_passes_come_sooner_as_the_tier_grows_faster_and_keep_room_for_one_pass(
     budget = 60 << 20
     # Nothing written yet: the configured interval, nothing reserved.
     assert pacing(budget, 0.0, 1.0) == (1.0, 0)
-    # Slow growth (1 MB/s against 60 MiB): the interval stands, one second's growth is kept free.
-    sleep, reserve = pacing(budget, 1e6, 1.0)
-    assert sleep == 1.0 and reserve == 1_000_000
-    # A CPU engine's ~100 MB/s: a pass every ~63 ms, so one pass's growth is a tenth of the budget.
+    # Slow growth (1 MB/s against 60 MiB): the interval stands; 1.5 x one second's growth is kept free.
+    assert pacing(budget, 1e6, 1.0) == (1.0, 1_500_000)
+    # A CPU engine's ~100 MB/s: a pass every ~63 ms, one period's growth a tenth of the budget.
     sleep, reserve = pacing(budget, 100e6, 1.0)
-    assert MIN_INTERVAL_S <= sleep < 0.1 and reserve == pytest.approx(0.1 * budget, rel=0.01)
+    assert MIN_INTERVAL_S <= sleep < 0.1 and reserve == pytest.approx(0.15 * budget, rel=0.01)
+    # A pass's own work (scan, unlink) counts in the period: the sleep shrinks, the reserve does not.
+    sleep_w, reserve_w = pacing(budget, 100e6, 1.0, work_s=0.01)
+    assert sleep_w == pytest.approx(sleep - 0.01) and reserve_w == pytest.approx(reserve, rel=0.01)
     # Faster still: never more often than MIN_INTERVAL_S, and the reserve grows with the rate instead.
     sleep, reserve = pacing(budget, 1e9, 1.0)
-    assert sleep == MIN_INTERVAL_S and reserve == math.ceil(1e9 * MIN_INTERVAL_S)
-    # The marks then keep the growth until the next pass under the budget.
+    assert sleep == MIN_INTERVAL_S and reserve == math.ceil(1.5 * 1e9 * MIN_INTERVAL_S)
+    # The marks then keep that growth free under the budget.
     one_pass = pacing(budget, 100e6, 1.0)[1]
     d = choose_victims(
         [f(str(i), 1 << 20, i) for i in range(58)], budget_bytes=budget, reserve_bytes=one_pass

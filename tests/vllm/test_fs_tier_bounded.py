@@ -24,7 +24,7 @@ import pytest
 from test_cpu_offload_tiers import REPO, prompt, tiered_engine
 
 from kvstrata.engine.fsjanitor import scan
-from kvstrata_dev.testing.engines import VllmEngine, free_port
+from kvstrata_dev.testing.engines import VllmEngine, free_port, wait_http
 
 PVC_BYTES = 40 << 20
 BUDGET = 24 << 20
@@ -75,20 +75,6 @@ class Sampler(threading.Thread):
             time.sleep(0.05)
 
 
-def _wait_serving(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert proc.poll() is None, f"the janitor exited with {proc.returncode}"
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, f"the janitor did not serve {url} within {timeout_s:.0f}s"
-        time.sleep(0.1)
-
-
 def test_janitor_keeps_the_budget_then_a_full_pvc_does_not_crash_the_engine(
     engine_on_pvc: VllmEngine, pvc: Path, tmp_path: Path
 ) -> None:
@@ -115,7 +101,7 @@ def test_janitor_keeps_the_budget_then_a_full_pvc_does_not_crash_the_engine(
         # The janitor first, as in the pod (a sidecar that is running before the engine serves): on a fast
         # machine the whole workload below took less time than the janitor's start-up, and the tier filled
         # the PVC before its first pass.
-        _wait_serving(f"http://127.0.0.1:{port}/metrics", janitor)
+        wait_http(f"http://127.0.0.1:{port}/metrics", 60, janitor)
         time.sleep(4 * JANITOR_INTERVAL_S)  # a few passes
         sampler.start()
         for n in range(100, 125):

@@ -28,7 +28,7 @@ import zmq
 from kvstrata.router.events import BlockStored, decode_frames
 from kvstrata.router.hashing import block_hashes
 from kvstrata.router.prompts import LocalTokenizer
-from kvstrata_dev.testing.engines import VllmEngine, free_port, start_engines, stop_all
+from kvstrata_dev.testing.engines import VllmEngine, free_port, start_engines, stop_all, wait_http
 
 MODEL = "tiny"
 BLOCK = 32
@@ -49,21 +49,6 @@ class Stack:
 
     def engine(self, url: str) -> VllmEngine:
         return next(e for e in self.engines if e.base_url == url)
-
-
-def _wait_http(url: str, timeout: float) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.3)
-    raise AssertionError(f"{url} not ready after {timeout}s")
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +108,7 @@ def start_router(
         env = {**os.environ, **{f"KVSTRATA_ROUTER_{k}": v for k, v in (settings or {}).items()}}
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
-        _wait_http(f"http://127.0.0.1:{port}/ready", 60)
+        wait_http(f"http://127.0.0.1:{port}/ready", 60)
     except BaseException:
         stop_router(proc)
         raise

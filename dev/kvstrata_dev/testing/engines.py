@@ -63,6 +63,23 @@ _handed_out: set[int] = set()
 _handed_out_lock = threading.Lock()
 
 
+def wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+    """Until ``url`` answers 200 (AssertionError after ``timeout`` seconds, or once ``proc`` exits)."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc is None or proc.poll() is None, f"{proc.args!r} exited with {proc.returncode}"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"{url} not ready after {timeout}s")
+
+
 def free_port() -> int:
     """A TCP port free on every local address, never the same one twice in this process.
 
