@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import aiohttp
 
@@ -54,6 +54,7 @@ from kvstrata.router.workpool import PoolBusy, WorkPools
 __all__ = ["Decision", "NoEndpoints", "Router"]
 
 log = logging.getLogger("kvstrata.router.route")
+_S = TypeVar("_S")
 
 # Prompts up to this many blocks are hashed inline: cheaper than a thread hop.
 _INLINE_HASH_BLOCKS = 8
@@ -205,20 +206,19 @@ class Router:
             scorer.on_removed(ep)
         self.share.on_removed(ep)
 
+    def _scorer(self, kind: type[_S]) -> _S | None:
+        return next((s for s, _ in self.scorers if isinstance(s, kind)), None)
+
     def recent_requests(self, ep: Endpoint, now: float) -> float:
         """Routed requests sent to ``ep`` lately, as the recent scorer counts them (0 without one)."""
-        for scorer, _ in self.scorers:
-            if isinstance(scorer, RecentScorer):
-                return scorer.recent_requests(ep, now)
-        return 0.0
+        recent = self._scorer(RecentScorer)
+        return 0.0 if recent is None else recent.recent_requests(ep, now)
 
     def over_pool(self, ep: Endpoint, now: float) -> bool:
         """``ep`` was routed more distinct blocks lately than its pool holds, as the fit scorer counts
         them (False without one)."""
-        for scorer, _ in self.scorers:
-            if isinstance(scorer, FitScorer):
-                return scorer.over_pool(ep, now)
-        return False
+        fit = self._scorer(FitScorer)
+        return fit is not None and fit.over_pool(ep, now)
 
     def mark_down(self, ep: Endpoint) -> None:
         """An engine that refuses connections lost its cache (or will have when it is back)."""
