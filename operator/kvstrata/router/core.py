@@ -584,6 +584,7 @@ class Router:
         if decision.request is not None:
             decision.request.hashes, decision.request.prompt_tokens = hashes, n
             decision.request.blocks = None
+        self.gate.rehashed(decision)
         ep = decision.committed
         if ep is None or not decision.routed:
             return

@@ -283,7 +283,7 @@ class Proxy:
         claim, call.claim = call.claim, None
         if claim is None or claim.endpoint is not ep:
             self.router.gate.release(claim)
-            claim = self.router.gate.claim(ep, decision, call.grant.blocks)
+            claim = self.router.gate.claim(ep, decision, call.grant.output)
         ep.in_flight += 1
         prefill = PrefillTicket(ep, decision.uncached_tokens(ep, self.block_size))
         t0 = time.perf_counter()

@@ -195,6 +195,26 @@ async def test_nothing_is_held_without_a_size_a_pool_or_the_gate(
 def test_output_tokens_count_toward_a_requests_size() -> None:
     w = World(10)
     d = w.decision(hashes(1, 4), 0, tokens=4 * BS + 5)
-    assert w.gate.size(d, 0) == 5
-    assert w.gate.size(d, 64) == 7
-    assert w.gate.size(d, None) == 5 + AdmissionSettings().assumed_output_tokens // BS
+    assert w.gate.blocks(d, w.gate.output(0)) == 5
+    assert w.gate.blocks(d, w.gate.output(64)) == 7
+    assert w.gate.blocks(d, w.gate.output(None)) == 5 + AdmissionSettings().assumed_output_tokens // BS
+
+
+async def test_a_prompt_hashed_whole_after_its_leading_blocks_shares_its_prefix_with_followers() -> None:
+    """A cold prompt routed on its leading blocks claims them and a size guessed from characters; once
+    its rest is hashed (core.Router._hashed_later), a follow-up sharing its whole prefix fits beside it."""
+    w = World(12)
+    prefix = hashes(1, 8)
+    cold = w.decision(prefix[:2], 0, tokens=11 * BS)  # two leading hashes, an over-estimate of 11 blocks
+    first = await w.gate.admit(cold, 0)
+    assert first.how is Admitted.DIRECT and w.gate.in_flight_blocks(w.eps[0]) == 11
+    follower = asyncio.ensure_future(w.gate.admit(w.decision(array("Q", [*prefix, 5, 6]), 0), 0))
+    await asyncio.sleep(0.01)
+    assert not follower.done()  # 11 + 10 - 2 shared blocks: no room in 11
+    cold.hashes, cold.prompt_tokens = prefix, 8 * BS
+    w.gate.rehashed(cold)  # 8 + 10 - 8 shared blocks: room for the follower at once
+    grant = await asyncio.wait_for(follower, 1)
+    assert grant.how is Admitted.QUEUED and grant.endpoint is w.eps[0]
+    assert w.gate.in_flight_blocks(w.eps[0]) == 10
+    w.gate.release(grant.claim)
+    assert w.gate.in_flight_blocks(w.eps[0]) == 8  # the cold prompt's claim, at its real size

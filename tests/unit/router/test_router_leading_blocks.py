@@ -80,10 +80,14 @@ async def test_a_long_cold_prompt_is_routed_on_its_leading_blocks_and_completed_
     assert decision.prompt_tokens is not None and abs(decision.prompt_tokens - len(ids)) < 0.05 * len(ids)
     assert decision.request is not None and decision.request.block_count() == decision.prompt_tokens // BLOCK
     ep = decision.order[0]
+    grant = await router.gate.admit(decision, 0)  # proxy._forward
+    assert grant.claim is not None and router.gate.in_flight_blocks(ep) == -(-decision.prompt_tokens // BLOCK)
     router.commit(decision, ep)  # sent (proxy._attempt)
     await rest_done(router)
-    # Completed: the decision, the prediction and the fit scorer's demand cover the whole prompt.
+    # Completed: the decision, the prediction, the fit scorer's demand and the admission gate's claim
+    # cover the whole prompt.
     assert (list(decision.hashes), decision.prompt_tokens) == (list(full), len(ids))
+    assert grant.claim.hashes is decision.hashes and router.gate.in_flight_blocks(ep) == -(-len(ids) // BLOCK)
     assert decision.request.block_count() == len(full)
     assert router.index.lookup(full)[ep.url].blocks == len(full)
     fit = next(s for s, _ in router.scorers if isinstance(s, FitScorer))
