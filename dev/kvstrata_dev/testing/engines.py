@@ -16,7 +16,6 @@ import socket
 import subprocess
 import threading
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -63,19 +62,22 @@ _handed_out: set[int] = set()
 _handed_out_lock = threading.Lock()
 
 
+def http_ok(url: str) -> bool:
+    """Whether ``url`` answers 200 within 2 s."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return bool(resp.status == 200)
+    except OSError:  # URLError included
+        return False
+
+
 def wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
     """Until ``url`` answers 200 (AssertionError after ``timeout`` seconds, or once ``proc`` exits)."""
-    import urllib.request
-
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc is None or proc.poll() is None, f"{proc.args!r} exited with {proc.returncode}"
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
+        if http_ok(url):
+            return
         time.sleep(0.1)
     raise AssertionError(f"{url} not ready after {timeout}s")
 
@@ -497,7 +499,7 @@ class VllmEngine:
                     f"{'; '.join(self.log_errors()) or 'no error line in the log'}\n"
                     f"log {self.log_path}, last lines:\n{self.log_tail()}"
                 )
-            if self._health_ok():
+            if http_ok(self.base_url + "/health"):
                 if self.ready_after_s is None and self.started_at is not None:
                     self.ready_after_s = time.monotonic() - self.started_at
                 return self
@@ -507,13 +509,6 @@ class VllmEngine:
                     f"{self.log_tail()}"
                 )
             time.sleep(1.0)
-
-    def _health_ok(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.base_url + "/health", timeout=2) as resp:
-                return resp.status == 200
-        except (OSError, urllib.error.URLError):
-            return False
 
     def stop(self, grace: float = _STOP_GRACE_S) -> None:
         """SIGTERM the process group, then SIGKILL whatever is left after ``grace`` seconds."""

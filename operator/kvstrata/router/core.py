@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from array import array
 from collections import OrderedDict
@@ -160,7 +159,7 @@ class Router:
         self.scorers: list[tuple[Scorer, float]] = build_scorers(settings)
         self.bounded = BoundedLoadFilter(settings.bounded_load_factor, settings.bounded_load_slack)
         self.share = ShareBoundFilter(
-            settings.share_bound_factor or math.inf,  # unset: off
+            settings.share_bound_factor,
             settings.share_bound_slack,
             settings.fit_window_seconds,
             self.over_pool,

@@ -448,9 +448,9 @@ class ShareBoundFilter:
       before that moves more conversations than the imbalance needs (seen: an engine back from an
       outage, its count near zero, got four groups in a row and held none of them).
 
-    Never filters everything out."""
+    Never filters everything out; filters nothing while ``factor`` is None (off, the default)."""
 
-    factor: float
+    factor: float | None
     slack: float
     window_s: float
     over_pool: Callable[[Endpoint, float], bool]
@@ -472,7 +472,7 @@ class ShareBoundFilter:
         self.gave_at.pop(ep.url, None)
 
     def filter(self, req: RouteRequest, eps: Sequence[Endpoint]) -> list[Endpoint]:
-        if len(eps) < 2 or math.isinf(self.factor):  # off
+        if len(eps) < 2 or self.factor is None:
             return list(eps)
         now = req.now
         counts = [self.recent(ep, now) for ep in eps]
