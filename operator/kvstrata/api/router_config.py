@@ -168,6 +168,12 @@ class AdmissionSettings(_Wire):
         description="Longest a request is held before it goes to its engine's own queue anyway; "
         "default a third of firstByteTimeoutSeconds",
     )
+    move_when_held_past_prefill: bool = Field(
+        True,
+        description="Send a held request to another engine with room once it has waited as long as its "
+        "extra prefill there would take, at that engine's recent pace (off: it moves only if that costs "
+        "no more prefill than its own engine)",
+    )
     assumed_output_tokens: int = Field(
         256,
         ge=0,

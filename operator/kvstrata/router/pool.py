@@ -18,6 +18,30 @@ class EndpointSpec:
     fs_janitor: str | None = None
 
 
+# Weight a pace sample keeps per newer sample: about the last five prefills count.
+_PACE_KEEP = 0.8
+
+
+@dataclass(slots=True)
+class PrefillPace:
+    """How long an engine has been taking per uncached prompt token, to the first streamed byte of this
+    router's recent requests there: decayed sums, their ratio. Each sample's fixed cost (queueing, a
+    decode step) inflates the pace, so a wait weighed against it moves fewer requests, not more."""
+
+    seconds: float = 0.0
+    tokens: float = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or seconds < 0:
+            return  # a fully cached prompt says nothing about prefill speed
+        self.seconds = self.seconds * _PACE_KEEP + seconds
+        self.tokens = self.tokens * _PACE_KEEP + tokens
+
+    def seconds_for(self, tokens: float) -> float | None:
+        """Seconds ``tokens`` more prefill would take, or None before the first sample."""
+        return tokens * self.seconds / self.tokens if self.tokens > 0 else None
+
+
 @dataclass(eq=False, slots=True)
 class Endpoint:
     spec: EndpointSpec
@@ -34,6 +58,7 @@ class Endpoint:
     scraped: bool = False
     answered_at: float = 0.0  # monotonic time of its last answered scrape (any status under 500)
     streamed_at: float = 0.0  # monotonic time it last sent a request's bytes (a stream chunk, a body)
+    pace: PrefillPace = field(default_factory=PrefillPace)
     extra: dict[str, object] = field(default_factory=dict)
 
     @property
@@ -71,11 +96,14 @@ class PrefillTicket:
         self._tokens = max(tokens, 0)
         ep.pending_prefill += self._tokens
 
-    def done(self) -> bool:
-        """True the first time (the prefill just ended), False after."""
+    def done(self, first_token_after_s: float | None = None) -> bool:
+        """True the first time (the prefill just ended), False after. ``first_token_after_s``: the
+        first token came that long after the request was sent (a sample of the engine's pace)."""
         if self._tokens < 0:
             return False
         self._ep.pending_prefill -= self._tokens
+        if first_token_after_s is not None:
+            self._ep.pace.observe(self._tokens, first_token_after_s)
         self._tokens = -1
         return True
 

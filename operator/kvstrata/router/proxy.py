@@ -408,7 +408,7 @@ class Proxy:
             kind = FailureKind.DISCONNECTED
             return Failed(kind, f"{ep.url} ended the stream before its first byte"), Outcome.of(kind)
         decision = call.decision
-        self._prefill_over(prefill, decision, ep)  # the first token is out
+        self._prefill_over(prefill, decision, ep, time.perf_counter() - t0)  # the first token is out
         self.metrics.ttft.labels(ep.url).observe(time.perf_counter() - t0)
         out = web.StreamResponse(status=resp.status, headers=_response_headers(resp))
         out.headers.update(self._decision_headers(call, ep, t0))
@@ -451,8 +451,14 @@ class Proxy:
             pass
         return Answered(out), outcome
 
-    def _prefill_over(self, prefill: PrefillTicket, decision: Decision, ep: Endpoint) -> None:
-        if prefill.done():
+    def _prefill_over(
+        self,
+        prefill: PrefillTicket,
+        decision: Decision,
+        ep: Endpoint,
+        first_token_after_s: float | None = None,
+    ) -> None:
+        if prefill.done(first_token_after_s):
             self.router.settle(decision, ep)
 
     def _observe_cached(self, decision: Decision, ep: Endpoint, body: bytes) -> None:
@@ -497,6 +503,8 @@ class Proxy:
                 "probation": st.probation,
                 "inFlight": ep.in_flight,
                 "pendingPrefillTokens": ep.pending_prefill,
+                # The pace a held request's move is weighed at (router/admission.py); None: no sample yet.
+                "prefillSecondsPer1kTokens": ep.pace.seconds_for(1000),
                 "admittedBlocks": router.gate.in_flight_blocks(ep),
                 "recentRequests": round(router.recent_requests(ep, now), 3),
                 "running": ep.running,

@@ -218,3 +218,45 @@ async def test_a_prompt_hashed_whole_after_its_leading_blocks_shares_its_prefix_
     assert w.gate.in_flight_blocks(w.eps[0]) == 10
     w.gate.release(grant.claim)
     assert w.gate.in_flight_blocks(w.eps[0]) == 8  # the cold prompt's claim, at its real size
+
+
+async def test_a_warm_request_moves_once_it_has_waited_as_long_as_its_extra_prefill_would_take() -> None:
+    """Rent or buy: its home holds its prefix but runs something that will not end soon; e1 is free and
+    prefills at a known pace. Held as long as the extra prefill at e1 would take, it goes there."""
+    w = World(10, 10)
+    await w.gate.admit(w.decision(hashes(1, 8), 0), 0)  # never released
+    w.held["http://e0"].update(hashes(3, 8))
+    w.eps[1].pace.observe(10 * BS, 0.005)  # 10 blocks in 5 ms
+    grant = await asyncio.wait_for(w.gate.admit(w.decision(hashes(3, 8), 0), 0), 2)
+    assert grant.how is Admitted.MOVED and grant.endpoint is w.eps[1] and w.moved == ["http://e1"]
+    extra_s = w.eps[1].pace.seconds_for(7 * BS)  # at least 7 of its 8 blocks are new at e1
+    assert extra_s is not None and grant.held_s >= extra_s
+
+
+@pytest.mark.parametrize("why", ["setting off", "no pace yet"])
+async def test_a_warm_request_stays_home_without_the_rule_or_a_pace(why: str) -> None:
+    w = World(10, 10)
+    if why == "setting off":
+        w.gate.settings = AdmissionSettings(move_when_held_past_prefill=False)
+        w.eps[1].pace.observe(10 * BS, 0.005)
+    busy = await w.gate.admit(w.decision(hashes(1, 8), 0), 0)
+    w.held["http://e0"].update(hashes(3, 8))
+    warm = asyncio.ensure_future(w.gate.admit(w.decision(hashes(3, 8), 0), 0))
+    await asyncio.sleep(0.1)  # 20 times the extra prefill at e1's pace
+    assert not warm.done()
+    w.gate.release(busy.claim)
+    grant = await asyncio.wait_for(warm, 1)
+    assert grant.how is Admitted.QUEUED and grant.endpoint is w.eps[0] and w.moved == []
+
+
+def test_the_prefill_pace_is_a_decayed_ratio_of_seconds_to_uncached_tokens() -> None:
+    pace = Endpoint(EndpointSpec("http://e")).pace
+    assert pace.seconds_for(1000) is None
+    pace.observe(0, 0.3)  # a fully cached prompt: no sample
+    assert pace.seconds_for(1000) is None
+    pace.observe(1000, 0.5)
+    assert pace.seconds_for(1000) == pytest.approx(0.5)
+    for _ in range(30):  # the engine got faster: old samples fade
+        pace.observe(1000, 0.1)
+    seconds = pace.seconds_for(1000)
+    assert seconds is not None and 0.1 < seconds < 0.11
