@@ -27,8 +27,8 @@ PEER_POLICIES = {
 # paired per draw like a peer (the router's settings come from KVSTRATA_ROUTER_<FIELD> variables).
 KVSTRATA_VARIANTS: dict[str, dict[str, str]] = {
     "no-admission": {"KVSTRATA_ROUTER_ADMISSION": '{"enabled": false}'},
-    # A held request moves only where that costs no more prefill (the gate before the rent-or-buy rule).
-    "no-wait-move": {"KVSTRATA_ROUTER_ADMISSION": '{"moveWhenHeldPastPrefill": false}'},
+    # The rent-or-buy move of a held request (off by default) as it was built.
+    "wait-move": {"KVSTRATA_ROUTER_ADMISSION": '{"moveWhenHeldPastPrefill": true}'},
     # The share bound (off by default) at the factor it was built with.
     "share-bound": {"KVSTRATA_ROUTER_SHARE_BOUND_FACTOR": "1.3"},
 }

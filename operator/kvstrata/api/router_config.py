@@ -168,8 +168,10 @@ class AdmissionSettings(_Wire):
         description="Longest a request is held before it goes to its engine's own queue anyway; "
         "default a third of firstByteTimeoutSeconds",
     )
+    # Off: in the family benchmark's held-out pressure draws it cost 3.6 +- 1.6 points of hit rate for a
+    # p99 TTFT 0.95x (docs/benchmarks.md, sixteenth session).
     move_when_held_past_prefill: bool = Field(
-        True,
+        False,
         description="Send a held request to another engine with room once it has waited as long as its "
         "extra prefill there would take, at that engine's recent pace (off: it moves only if that costs "
         "no more prefill than its own engine)",

@@ -224,6 +224,7 @@ async def test_a_warm_request_moves_once_it_has_waited_as_long_as_its_extra_pref
     """Rent or buy: its home holds its prefix but runs something that will not end soon; e1 is free and
     prefills at a known pace. Held as long as the extra prefill at e1 would take, it goes there."""
     w = World(10, 10)
+    w.gate.settings = AdmissionSettings(move_when_held_past_prefill=True)
     await w.gate.admit(w.decision(hashes(1, 8), 0), 0)  # never released
     w.held["http://e0"].update(hashes(3, 8))
     w.eps[1].pace.observe(10 * BS, 0.005)  # 10 blocks in 5 ms
@@ -233,11 +234,12 @@ async def test_a_warm_request_moves_once_it_has_waited_as_long_as_its_extra_pref
     assert extra_s is not None and grant.held_s >= extra_s
 
 
-@pytest.mark.parametrize("why", ["setting off", "no pace yet"])
+@pytest.mark.parametrize("why", ["rule off (the default)", "no pace yet"])
 async def test_a_warm_request_stays_home_without_the_rule_or_a_pace(why: str) -> None:
     w = World(10, 10)
-    if why == "setting off":
-        w.gate.settings = AdmissionSettings(move_when_held_past_prefill=False)
+    if why == "no pace yet":
+        w.gate.settings = AdmissionSettings(move_when_held_past_prefill=True)
+    else:
         w.eps[1].pace.observe(10 * BS, 0.005)
     busy = await w.gate.admit(w.decision(hashes(1, 8), 0), 0)
     w.held["http://e0"].update(hashes(3, 8))
