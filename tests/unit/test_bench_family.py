@@ -168,6 +168,8 @@ def test_seed_lists_and_router_variants() -> None:
     assert settings("kvstrata/kv-aware@share-bound").share_bound_factor == 1.3
     assert settings("kvstrata/kv-aware").share_bound_factor is None
     assert settings("kvstrata/kv-aware@no-admission").admission.enabled is False
+    assert settings("kvstrata/kv-aware@wait-move").admission.move_when_held_past_prefill is True
+    assert settings("kvstrata/kv-aware").admission.move_when_held_past_prefill is False
     for bad in ("kvstrata/kv-aware@nope", "sglang-router/cache_aware@no-admission"):
         with pytest.raises(BenchError, match="variant"):
             variant_env(bad)
