@@ -176,6 +176,7 @@ class Router:
                 usable=lambda ep: ep.healthy and not self.outlier.ejected(ep),
                 silent=lambda ep: not self.heard(ep, time.monotonic()),
                 endpoints=self.pool.all,
+                indexed_blocks=lambda ep: self.index.blocks_of(ep.url),
                 commit=self.commit,
                 moved=self._moved,
             ),

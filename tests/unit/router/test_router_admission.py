@@ -44,6 +44,7 @@ class World:
             usable=lambda ep: ep.url not in self.down,
             silent=lambda ep: ep.url in self.silent,
             endpoints=lambda: list(self.eps),
+            indexed_blocks=lambda ep: len(self.held[ep.url]),
             commit=lambda d, ep: self.committed.append(ep.url),
             moved=lambda d, ep: self.moved.append(ep.url),
         )
@@ -232,6 +233,21 @@ async def test_a_warm_request_moves_once_it_has_waited_as_long_as_its_extra_pref
     assert grant.how is Admitted.MOVED and grant.endpoint is w.eps[1] and w.moved == ["http://e1"]
     extra_s = w.eps[1].pace.seconds_for(7 * BS)  # at least 7 of its 8 blocks are new at e1
     assert extra_s is not None and grant.held_s >= extra_s
+
+
+async def test_a_move_that_evicts_cached_blocks_waits_for_their_prefill_too() -> None:
+    """e1's pool is full of another tenant's cached blocks: moving there costs the mover's prefill and
+    the evicted blocks' prefill when that tenant comes back, so the move waits for both."""
+    w = World(10, 10)
+    w.gate.settings = AdmissionSettings(move_when_held_past_prefill=True)
+    await w.gate.admit(w.decision(hashes(1, 8), 0), 0)  # never released
+    w.held["http://e0"].update(hashes(3, 8))
+    w.held["http://e1"].update(hashes(7, 9))  # e1's whole pool, less the null block
+    w.eps[1].pace.observe(10 * BS, 0.05)  # 10 blocks in 50 ms: 40 ms for the mover's, 80 with the evicted
+    grant = await asyncio.wait_for(w.gate.admit(w.decision(hashes(3, 8), 0), 0), 2)
+    assert grant.how is Admitted.MOVED and grant.endpoint is w.eps[1]
+    both_s = w.eps[1].pace.seconds_for(2 * 7 * BS)  # its 7+ new blocks, and as many evicted
+    assert both_s is not None and grant.held_s >= both_s
 
 
 @pytest.mark.parametrize("why", ["rule off (the default)", "no pace yet"])
