@@ -168,8 +168,8 @@ class AdmissionSettings(_Wire):
         description="Longest a request is held before it goes to its engine's own queue anyway; "
         "default a third of firstByteTimeoutSeconds",
     )
-    # Off: in the family benchmark's held-out pressure draws it cost 3.6 +- 1.6 points of hit rate for a
-    # p99 TTFT 0.95x (docs/benchmarks.md, sixteenth session).
+    # Off: on held-out pressure draws of the family benchmark it cost hit rate (1.7 +- 1.2 points, TTFT
+    # mean 1.06x; 3.6 +- 1.6 before it counted evictions) (docs/benchmarks.md, sixteenth session).
     move_when_held_past_prefill: bool = Field(
         False,
         description="Send a held request to another engine with room once it has waited as long as its "
