@@ -172,9 +172,9 @@ class AdmissionSettings(_Wire):
     # mean 1.06x; 3.6 +- 1.6 before it counted evictions) (docs/benchmarks.md, sixteenth session).
     move_when_held_past_prefill: bool = Field(
         False,
-        description="Send a held request to another engine with room once it has waited as long as its "
-        "extra prefill there would take, at that engine's recent pace (off: it moves only if that costs "
-        "no more prefill than its own engine)",
+        description="Send a held request to another engine with room once it has waited as long as moving "
+        "would cost there (its extra prefill and that of the cached blocks it evicts, at that engine's "
+        "recent pace); off: it moves only if that costs no more prefill than its own engine",
     )
     assumed_output_tokens: int = Field(
         256,

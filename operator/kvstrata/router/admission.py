@@ -16,9 +16,8 @@ to whichever engine frees room first (*stolen*), since moving it loses no hit. W
 recent pace: its extra prefill, and the prefill of the cached blocks that evicts (rent or buy: built for
 family draw 15, where 12 of 32 requests were held 3.4 s in all for their home while a third engine sat
 idle). It is off: on held-out pressure draws it cost 1.7 hit points and 6 % of mean TTFT (3.6 points
-without the eviction term).
-Nothing is held longer than ``maxHoldSeconds``: then it goes to its engine's own queue, as it would have
-without the gate.
+without the eviction term). Nothing is held longer than ``maxHoldSeconds``: then it goes to its engine's
+own queue, as it would have without the gate.
 
 *Room* is this router's own count: the distinct blocks its in-flight requests pin on the engine (a
 prefix shared by several counts once), plus each one's output, against the pool size the engine reports
@@ -62,9 +61,7 @@ class Admitted(StrEnum):
     DIRECT = "direct"  # its engine had room at once
     QUEUED = "queued"  # held until its engine had room
     STOLEN = "stolen"  # held, then sent to another engine with room that holds as much of its prompt
-    MOVED = (
-        "moved"  # held as long as its extra prefill at another engine with room would take, then sent there
-    )
+    MOVED = "moved"  # held as long as moving would cost, then sent to another engine with room
     EXPIRED = "expired"  # held maxHoldSeconds, then sent to its engine's own queue
     UNGATED = "ungated"  # not held: gate off, size or pool unknown, or not a routed request
 
@@ -309,8 +306,8 @@ class Gate:
 
     def _may_move(self, w: _Waiter, ep: Endpoint, usable: list[Endpoint], now: float) -> Admitted | None:
         """Whether held ``w`` may leave its home for ``ep`` now, and how: STOLEN when it loses nothing
-        there (or its home cannot serve it), MOVED when it has waited as long as the extra prefill
-        there would take."""
+        there (or its home cannot serve it), MOVED when it has waited as long as moving would cost
+        (:meth:`_move_at`)."""
         here = w.keys.get(ep.url, math.inf)
         home = w.keys.get(w.home.url, math.inf)
         if w.home not in usable or self.deps.silent(w.home) or here <= home + self.deps.block_size:
