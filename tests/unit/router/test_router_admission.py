@@ -260,7 +260,7 @@ async def test_a_warm_request_stays_home_without_the_rule_or_a_pace(why: str) ->
     busy = await w.gate.admit(w.decision(hashes(1, 8), 0), 0)
     w.held["http://e0"].update(hashes(3, 8))
     warm = asyncio.ensure_future(w.gate.admit(w.decision(hashes(3, 8), 0), 0))
-    await asyncio.sleep(0.1)  # 20 times the extra prefill at e1's pace
+    await asyncio.sleep(0.1)  # 25 times the extra prefill at e1's pace, where it has one
     assert not warm.done()
     w.gate.release(busy.claim)
     grant = await asyncio.wait_for(warm, 1)
