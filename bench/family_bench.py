@@ -35,7 +35,7 @@ from bench.router_bench import (
     resolve_engine_cpu,
     router_metrics_file,
 )
-from bench.routers import RouterConfig, Worker
+from bench.routers import RERUN, RouterConfig, Worker
 from bench.workload import distinct_blocks, ideal_hit_rate
 
 KVSTRATA = "kvstrata/kv-aware"
@@ -96,8 +96,57 @@ def _seed_list(raw: str) -> list[int]:
 
 
 def _is_peer(router: str) -> bool:
-    """A router kvstrata is judged against: not kvstrata itself nor a variant of it (an ablation)."""
-    return not router.startswith("kvstrata/")
+    """A router kvstrata is judged against: not kvstrata itself nor a variant of it (an ablation), and
+    not a peer's rerun (the best of two runs of one peer is not a router a user could run)."""
+    return not router.startswith("kvstrata/") and not router.endswith(f"@{RERUN}")
+
+
+def _rerun_spread(chosen: list[dict[str, Any]], router: str) -> dict[str, Any]:
+    """How far two runs of ``router`` in the same draws are apart (it minus its ``@rerun``)."""
+    hit, ratio_mean, ratio_p99 = [], [], []
+    for d in chosen:
+        rows = {r["router"]: r for r in d["results"]}
+        a, b = rows.get(router), rows.get(f"{router}@{RERUN}")
+        if a and b and _ok(a) and _ok(b):
+            hit.append(100 * (a["hit_rate"] - b["hit_rate"]))
+            ratio_mean.append(a["ttft_ms_mean"] / b["ttft_ms_mean"])
+            ratio_p99.append(a["ttft_ms_p99"] / b["ttft_ms_p99"])
+    if not hit:
+        return {"pairs": 0}
+    return {
+        "pairs": len(hit),
+        "hit_points_abs_mean": sum(abs(x) for x in hit) / len(hit),
+        "hit_points_abs_max": max(abs(x) for x in hit),
+        "ttft_mean_ratio_range": (min(ratio_mean), max(ratio_mean)),
+        "ttft_p99_ratio_range": (min(ratio_p99), max(ratio_p99)),
+    }
+
+
+def _losses_beyond_rerun(chosen: list[dict[str, Any]], routers: list[str]) -> tuple[int, int] | None:
+    """Of the draws where kvstrata's hit rate is below the best peer's: how many there are, and in how
+    many the gap is larger than the larger of the two routers' rerun differences in that draw. None
+    when no draw has both reruns."""
+    losses = beyond = 0
+    seen = False
+    for d in chosen:
+        rows = {r["router"]: r for r in d["results"] if _ok(r) and r["router"] in routers}
+        mine = rows.get(KVSTRATA)
+        peers = [r for r in rows.values() if _is_peer(r["router"])]
+        if mine is None or not peers:
+            continue
+        best = max(peers, key=lambda r: r["hit_rate"])
+        reruns = [rows.get(f"{n}@{RERUN}") for n in (KVSTRATA, best["router"])]
+        if reruns[0] is None or reruns[1] is None:
+            continue
+        seen = True
+        gap = best["hit_rate"] - mine["hit_rate"]
+        if gap > 0:
+            losses += 1
+            noise = max(
+                abs(mine["hit_rate"] - reruns[0]["hit_rate"]), abs(best["hit_rate"] - reruns[1]["hit_rate"])
+            )
+            beyond += gap > noise
+    return (losses, beyond) if seen else None
 
 
 @dataclass(frozen=True)
@@ -335,6 +384,8 @@ def pooled(draws: list[dict[str, Any]], routers: list[str]) -> dict[str, Any]:
         section["vs_best_peer_ttft_mean_ratio"] = paired(best_mean)
         section["vs_best_peer_ttft_p99_ratio"] = paired(best_p99)
         section["hit_ge_best_peer_draws"] = ge_best
+        section["rerun_spread"] = {r: _rerun_spread(chosen, r) for r in routers if f"{r}@{RERUN}" in routers}
+        section["hit_losses_beyond_rerun"] = _losses_beyond_rerun(chosen, routers)
         section["errors"] = {
             r: sum(row.get("errors", 0) for d in chosen for row in d["results"] if row["router"] == r)
             for r in routers
@@ -430,6 +481,21 @@ def render(payload: dict[str, Any]) -> str:
             lines.append(
                 f"  vs {peer} ({v['pairs']} pairs): hit {_pm(v['hit_points'])} points, TTFT mean ratio "
                 f"{_pm(v['ttft_mean_ratio'], 2)}, p99 ratio {_pm(v['ttft_p99_ratio'], 2)}"
+            )
+        for name, aa in (sec.get("rerun_spread") or {}).items():
+            if aa["pairs"]:
+                lo_mean, hi_mean = aa["ttft_mean_ratio_range"]
+                lo_p99, hi_p99 = aa["ttft_p99_ratio_range"]
+                lines.append(
+                    f"  {name} against its rerun ({aa['pairs']} draws): hit differs by "
+                    f"{aa['hit_points_abs_mean']:.1f} points on average, {aa['hit_points_abs_max']:.1f} at most; "
+                    f"TTFT mean ratio {lo_mean:.2f}-{hi_mean:.2f}, p99 ratio {lo_p99:.2f}-{hi_p99:.2f}"
+                )
+        beyond = sec.get("hit_losses_beyond_rerun")
+        if beyond is not None:
+            lines.append(
+                f"  kvstrata's hit rate below the best peer's in {beyond[0]} draws; in {beyond[1]} of them by "
+                "more than either router differs from its own rerun"
             )
     lines.append(f"total {payload['total_s']:.0f} s")
     return "\n".join(lines)

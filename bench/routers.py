@@ -32,6 +32,9 @@ KVSTRATA_VARIANTS: dict[str, dict[str, str]] = {
     # The share bound (off by default) at the factor it was built with.
     "share-bound": {"KVSTRATA_ROUTER_SHARE_BOUND_FACTOR": "1.3"},
 }
+# `<router>@rerun`, for any router: the same router again in the same draw (an A/A pair). What two runs
+# of one router differ by is the yardstick for a per-draw difference between two routers.
+RERUN = "rerun"
 
 
 @dataclass(frozen=True)
@@ -66,8 +69,8 @@ def split_name(name: str) -> tuple[str, str]:
     if impl not in PEER_POLICIES or policy not in PEER_POLICIES[impl]:
         known = ", ".join(f"{i}/{p}" for i, ps in PEER_POLICIES.items() for p in ps)
         raise BenchError(f"unknown router {name!r}; known: {known}")
-    if variant and (impl != "kvstrata" or variant not in KVSTRATA_VARIANTS):
-        known = ", ".join(f"kvstrata/<policy>@{v}" for v in KVSTRATA_VARIANTS)
+    if variant and variant != RERUN and (impl != "kvstrata" or variant not in KVSTRATA_VARIANTS):
+        known = ", ".join([f"<router>@{RERUN}", *(f"kvstrata/<policy>@{v}" for v in KVSTRATA_VARIANTS)])
         raise BenchError(f"unknown router variant {name!r}; known: {known}")
     return impl, policy
 

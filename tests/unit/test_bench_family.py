@@ -144,6 +144,58 @@ def test_the_best_peer_is_taken_figure_by_figure_and_a_kvstrata_variant_is_no_pe
     assert out["vs"]["kvstrata/kv-aware@no-admission"]["pairs"] == 1  # still paired, as an ablation
 
 
+def test_reruns_give_the_spread_of_one_router_and_a_loss_is_weighed_against_it() -> None:
+    def row(name: str, hit: float, mean: float) -> dict[str, object]:
+        return {"router": name, "hit_rate": hit, "ttft_ms_mean": mean, "ttft_ms_p99": 2 * mean, "errors": 0}
+
+    peer, kv_again, peer_again = "peer/a", f"{KVSTRATA}@rerun", "peer/a@rerun"
+    draws = [
+        # A loss of 2 points where each router's rerun moved by up to 5: within the noise.
+        {
+            "regime": "pressure",
+            "results": [
+                row(KVSTRATA, 0.50, 100),
+                row(peer, 0.52, 100),
+                row(kv_again, 0.55, 150),
+                row(peer_again, 0.51, 50),
+            ],
+        },
+        # A loss of 10 points where the reruns moved by 1: beyond it.
+        {
+            "regime": "pressure",
+            "results": [
+                row(KVSTRATA, 0.40, 100),
+                row(peer, 0.50, 100),
+                row(kv_again, 0.41, 100),
+                row(peer_again, 0.50, 100),
+            ],
+        },
+        # A win: no loss to weigh.
+        {
+            "regime": "pressure",
+            "results": [
+                row(KVSTRATA, 0.70, 100),
+                row(peer, 0.60, 100),
+                row(kv_again, 0.70, 100),
+                row(peer_again, 0.60, 100),
+            ],
+        },
+    ]
+    routers = [KVSTRATA, peer, kv_again, peer_again]
+    out = pooled(draws, routers)["pressure"]
+    spread = out["rerun_spread"][KVSTRATA]
+    assert spread["pairs"] == 3
+    assert spread["hit_points_abs_mean"] == pytest.approx((5 + 1 + 0) / 3)
+    assert spread["hit_points_abs_max"] == pytest.approx(5.0)
+    assert spread["ttft_mean_ratio_range"] == pytest.approx((100 / 150, 1.0))
+    assert out["rerun_spread"][peer]["ttft_mean_ratio_range"] == pytest.approx((1.0, 2.0))
+    assert out["hit_losses_beyond_rerun"] == (2, 1)
+    # A peer's rerun is no second peer: the best peer of draw 1 is peer/a's first run (0.52), not 0.51.
+    assert out["vs_best_peer_hit_points"][0] == pytest.approx((-2 - 10 + 10) / 3)
+    # Without reruns there is nothing to weigh a loss against.
+    assert pooled(draws, [KVSTRATA, peer])["pressure"]["hit_losses_beyond_rerun"] is None
+
+
 def test_seed_lists_and_router_variants() -> None:
     from bench.family_bench import _seed_list
     from bench.procs import BenchError
@@ -157,6 +209,7 @@ def test_seed_lists_and_router_variants() -> None:
         "KVSTRATA_ROUTER_ADMISSION": '{"enabled": false}'
     }
     assert variant_env("sglang-router/cache_aware") == {}
+    assert variant_env("sglang-router/cache_aware@rerun") == variant_env("kvstrata/kv-aware@rerun") == {}
     # The variants' variables are settings the router takes: each changes exactly its field.
     from kvstrata.api.router_config import RouterSettings
     from kvstrata.router.main import env_settings
