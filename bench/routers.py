@@ -29,6 +29,8 @@ KVSTRATA_VARIANTS: dict[str, dict[str, str]] = {
     "no-admission": {"KVSTRATA_ROUTER_ADMISSION": '{"enabled": false}'},
     # The rent-or-buy move of a held request (off by default) as it was built.
     "wait-move": {"KVSTRATA_ROUTER_ADMISSION": '{"moveWhenHeldPastPrefill": true}'},
+    # Anticipation (off by default): an ended request's room kept 0.25 s for its follow-up.
+    "anticipate": {"KVSTRATA_ROUTER_ADMISSION": '{"anticipateSeconds": 0.25}'},
     # The share bound (off by default) at the factor it was built with.
     "share-bound": {"KVSTRATA_ROUTER_SHARE_BOUND_FACTOR": "1.3"},
 }

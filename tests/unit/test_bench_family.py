@@ -223,6 +223,9 @@ def test_seed_lists_and_router_variants() -> None:
     assert settings("kvstrata/kv-aware@no-admission").admission.enabled is False
     assert settings("kvstrata/kv-aware@wait-move").admission.move_when_held_past_prefill is True
     assert settings("kvstrata/kv-aware").admission.move_when_held_past_prefill is False
+    assert settings("kvstrata/kv-aware@anticipate").admission.anticipate_seconds == 0.25
+    assert settings("kvstrata/kv-aware@anticipate").admission.move_when_held_past_prefill is False
+    assert settings("kvstrata/kv-aware").admission.anticipate_seconds == 0
     for bad in ("kvstrata/kv-aware@nope", "sglang-router/cache_aware@no-admission"):
         with pytest.raises(BenchError, match="variant"):
             variant_env(bad)

@@ -182,6 +182,15 @@ class AdmissionSettings(_Wire):
         description="Output tokens counted for a request that sets no max_tokens (its blocks grow as it "
         "decodes)",
     )
+    anticipate_seconds: float = Field(
+        0.0,
+        ge=0,
+        le=5,
+        description="When a request ends and its prefix group's last requests were each followed within "
+        "this many seconds by one extending them (agents, closed loops), keep its blocks' room on its "
+        "engine that long for the follow-up instead of admitting a held request that would evict them; "
+        "0: off",
+    )
 
 
 class RouterSettings(_Wire):

@@ -19,6 +19,11 @@ idle). It is off: on held-out pressure draws it cost 1.7 hit points and 6 % of m
 without the eviction term). Nothing is held longer than ``maxHoldSeconds``: then it goes to its engine's
 own queue, as it would have without the gate.
 
+With ``anticipateSeconds`` (router/followups.py) a request that ends keeps its blocks' room on its engine
+for that long when its prefix group's requests are usually followed at once (agents, closed loops): a
+held request that would evict them waits until the follow-up arrives, which then goes first
+(*reserved*), or until the window ends.
+
 *Room* is this router's own count: the distinct blocks its in-flight requests pin on the engine (a
 prefix shared by several counts once), plus each one's output, against the pool size the engine reports
 (``num_gpu_blocks``, less the one vLLM keeps as its null block). Nothing is held while an engine has
@@ -30,6 +35,7 @@ counts only its own requests; the engine's queue takes the rest, as without the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import math
@@ -41,6 +47,7 @@ from enum import StrEnum
 
 from kvstrata.api.router_config import AdmissionSettings, TierWeights
 from kvstrata.router.decision import Decision
+from kvstrata.router.followups import FollowUps
 from kvstrata.router.index import PrefixMatch
 from kvstrata.router.pool import Endpoint
 from kvstrata.router.scoring import credited_blocks, uncached_tokens
@@ -62,6 +69,7 @@ class Admitted(StrEnum):
     QUEUED = "queued"  # held until its engine had room
     STOLEN = "stolen"  # held, then sent to another engine with room that holds as much of its prompt
     MOVED = "moved"  # held as long as moving would cost, then sent to another engine with room
+    RESERVED = "reserved"  # the request it extends had just ended there and kept its room for it
     EXPIRED = "expired"  # held maxHoldSeconds, then sent to its engine's own queue
     UNGATED = "ungated"  # not held: gate off, size or pool unknown, or not a routed request
 
@@ -94,6 +102,14 @@ class Grant:
     held_s: float
     claim: Claim | None
     output: int  # output tokens its claims count; a retry's claim counts as many
+
+
+@dataclass(eq=False, slots=True)
+class _Reservation:
+    """An ended request's room on its engine, kept for its follow-up until ``until`` (monotonic)."""
+
+    claim: Claim
+    until: float
 
 
 @dataclass(eq=False, slots=True)
@@ -163,6 +179,8 @@ class Gate:
         self.deps = deps
         self._claims: dict[str, list[Claim]] = {}
         self._waiting: list[_Waiter] = []
+        self._followups = FollowUps(settings.anticipate_seconds)
+        self._reserved: dict[str, list[_Reservation]] = {}
 
     # --- bookkeeping -----------------------------------------------------------------------------
     def output(self, output_tokens: int | None) -> int:
@@ -201,17 +219,66 @@ class Gate:
         if self._waiting:
             self.pump()
 
-    def release(self, claim: Claim | None) -> None:
+    def release(self, claim: Claim | None, *, ended: bool = False) -> None:
+        """``claim``'s request is over on its engine; ``ended``: it was answered in full (not failed,
+        nor left by its client), so a follow-up may come."""
         if claim is None:
             return
         claims = self._claims.get(claim.endpoint.url)
         if claims is not None and claim in claims:
             claims.remove(claim)
+            if ended and self.settings.anticipate_seconds > 0:
+                self._anticipate(claim)
         if self._waiting:
             self.pump()
 
+    def _anticipate(self, claim: Claim) -> None:
+        now = time.monotonic()
+        self._followups.ended(claim.hashes, now)
+        if not self._followups.expected(claim.hashes):
+            return
+        window = self.settings.anticipate_seconds
+        self._reserved.setdefault(claim.endpoint.url, []).append(_Reservation(claim, now + window))
+        log.debug(
+            "reserve prefix=%016x blocks=%d at %s for %.3fs",
+            claim.hashes[0],
+            claim.blocks,
+            claim.endpoint.url,
+            window,
+        )
+        # When the window ends the room is back: admit into it. (Without a running loop, in a unit test,
+        # the held requests' own rechecks find the reservation expired.)
+        with contextlib.suppress(RuntimeError):
+            asyncio.get_running_loop().call_later(window, self.pump)
+
+    def _reservations(self, ep: Endpoint, now: float) -> list[_Reservation]:
+        """``ep``'s reservations still open (expired ones are dropped here)."""
+        kept = [r for r in self._reserved.get(ep.url, ()) if r.until > now]
+        if kept:
+            self._reserved[ep.url] = kept
+        else:
+            self._reserved.pop(ep.url, None)
+        return kept
+
+    def _take_reservation(self, decision: Decision, now: float) -> Endpoint | None:
+        """The engine where the request this one extends ended and kept its room (its reservation is
+        given up: the follow-up claims the room itself), or None."""
+        if not self._reserved:
+            return None
+        key = Claim(decision.order[0], decision.hashes, 0).key
+        for r in [r for rs in self._reserved.values() for r in rs]:
+            ep = r.claim.endpoint
+            if r in self._reservations(ep, now) and _common_blocks(r.claim.key, key) == len(r.claim.hashes):
+                self._reserved[ep.url].remove(r)
+                return ep
+        return None
+
     def in_flight_blocks(self, ep: Endpoint) -> int:
         return distinct_blocks(self._claims.get(ep.url, ()))
+
+    def reserved_blocks(self, ep: Endpoint) -> int:
+        """Blocks kept on ``ep`` for follow-ups of requests that ended there."""
+        return distinct_blocks([r.claim for r in self._reservations(ep, time.monotonic())])
 
     def held(self) -> int:
         return len(self._waiting)
@@ -219,7 +286,7 @@ class Gate:
     def fits(self, ep: Endpoint, blocks: int, hashes: Sequence[int] = ()) -> bool:
         """Room for ``blocks`` more on ``ep``: always when nothing of ours runs there or its pool is
         unknown (a request larger than the pool must still run, and the engine says if it cannot)."""
-        claims = self._claims.get(ep.url)
+        claims = [*self._claims.get(ep.url, ()), *(r.claim for r in self._reservations(ep, time.monotonic()))]
         if not claims or ep.kv_blocks <= 0:
             return True
         pool = ep.kv_blocks - 1  # vLLM keeps one block of its pool as the null block
@@ -236,6 +303,15 @@ class Gate:
         blocks = self.blocks(decision, out)
         if not self.settings.enabled or blocks is None or decision.request is None:
             return Grant(home, Admitted.UNGATED, 0.0, self.claim(home, decision, out), out)
+        if self.settings.anticipate_seconds > 0:
+            now = time.monotonic()
+            self._followups.arrived(decision.hashes, now)
+            # The room its conversation's last request kept is its own: it goes before those held there.
+            kept_at = self._take_reservation(decision, now)
+            if kept_at is home and self.fits(home, blocks, decision.hashes):
+                return Grant(home, Admitted.RESERVED, 0.0, self.claim(home, decision, out), out)
+            if kept_at is not None and self._waiting:
+                self.pump()  # routed elsewhere: the room kept for it is free
         if not self._waiting_for(home) and self.fits(home, blocks, decision.hashes):
             return Grant(home, Admitted.DIRECT, 0.0, self.claim(home, decision, out), out)
         loop = asyncio.get_running_loop()

@@ -296,9 +296,9 @@ class Proxy:
             raise
         finally:
             ep.in_flight -= 1
-            self.router.gate.release(claim)
-            self._prefill_over(prefill, decision, ep)
             done = outcome in (Outcome.OK, Outcome.STREAM_OK)
+            self.router.gate.release(claim, ended=done)
+            self._prefill_over(prefill, decision, ep)
             self.metrics.request_done(ep.url, outcome, time.perf_counter() - t0 if done else None)
             fault = ENGINE_FAULTS.get(outcome)
             if fault is not None:
@@ -506,6 +506,8 @@ class Proxy:
                 # The pace a held request's move is weighed at (router/admission.py); None: no sample yet.
                 "prefillSecondsPer1kTokens": ep.pace.seconds_for(1000),
                 "admittedBlocks": router.gate.in_flight_blocks(ep),
+                # Kept for the follow-ups of requests that just ended there (admission.anticipateSeconds).
+                "reservedBlocks": router.gate.reserved_blocks(ep),
                 "recentRequests": round(router.recent_requests(ep, now), 3),
                 "running": ep.running,
                 "waiting": ep.waiting,

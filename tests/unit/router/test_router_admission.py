@@ -30,7 +30,9 @@ def hashes(prefix: int, n: int) -> array[int]:
 class World:
     """Endpoints, what each holds (a stand-in for the index) and the gate's record of moves."""
 
-    def __init__(self, *pools: int, max_hold_s: float = 30.0) -> None:
+    def __init__(
+        self, *pools: int, max_hold_s: float = 30.0, settings: AdmissionSettings | None = None
+    ) -> None:
         self.eps = [Endpoint(EndpointSpec(f"http://e{i}"), kv_blocks=p) for i, p in enumerate(pools)]
         self.held: dict[str, set[int]] = {ep.url: set() for ep in self.eps}
         self.down: set[str] = set()
@@ -48,7 +50,7 @@ class World:
             commit=lambda d, ep: self.committed.append(ep.url),
             moved=lambda d, ep: self.moved.append(ep.url),
         )
-        self.gate = Gate(AdmissionSettings(), max_hold_s, deps)
+        self.gate = Gate(settings or AdmissionSettings(), max_hold_s, deps)
 
     def lookup(self, hs: Sequence[int]) -> dict[str, PrefixMatch]:
         out = {}
@@ -278,3 +280,70 @@ def test_the_prefill_pace_is_a_decayed_ratio_of_seconds_to_uncached_tokens() -> 
         pace.observe(1000, 0.1)
     seconds = pace.seconds_for(1000)
     assert seconds is not None and 0.1 < seconds < 0.11
+
+
+def extend(hs: array[int], *more: int) -> array[int]:
+    """A follow-up's hashes: the previous prompt's, then its answer's and the new turn's blocks."""
+    return array("Q", [*hs, *more])
+
+
+async def test_an_ended_request_keeps_its_room_for_a_follow_up_that_comes_at_once() -> None:
+    """Anticipation: a group whose requests are followed at once (a closed loop) keeps its room when one
+    ends; the cold request held there waits for the follow-up, which goes first."""
+    window = 0.2
+    w = World(10, settings=AdmissionSettings(anticipate_seconds=window))
+    turn1 = hashes(1, 6)
+    first = await w.gate.admit(w.decision(turn1, 0), 0)
+    w.gate.release(first.claim, ended=True)  # nothing learned yet: no reservation
+    assert w.gate.reserved_blocks(w.eps[0]) == 0
+    turn2 = extend(turn1, 901)
+    second = await w.gate.admit(w.decision(turn2, 0), 0)  # followed at once: the group learns it
+    assert second.how is Admitted.DIRECT
+    cold = asyncio.ensure_future(w.gate.admit(w.decision(hashes(2, 8), 0), 0))
+    await asyncio.sleep(0.01)
+    assert not cold.done()  # 7 + 8 blocks: no room in 9
+    w.gate.release(second.claim, ended=True)
+    await asyncio.sleep(0.01)
+    assert not cold.done() and w.gate.reserved_blocks(w.eps[0]) == 7  # the room is kept
+    third = await w.gate.admit(w.decision(extend(turn2, 902), 0), 0)
+    assert third.how is Admitted.RESERVED and third.endpoint is w.eps[0] and not cold.done()
+    w.gate.release(third.claim, ended=True)  # the conversation's last turn: nothing follows
+    grant = await asyncio.wait_for(cold, 2)
+    assert grant.how is Admitted.QUEUED and grant.held_s >= window  # the window ran out
+    assert w.gate.reserved_blocks(w.eps[0]) == 0
+
+
+@pytest.mark.parametrize("why", ["anticipation off (the default)", "the request failed", "never followed"])
+async def test_no_room_is_kept_without_anticipation_an_answer_or_a_follow_up_in_time(why: str) -> None:
+    window = 0.05
+    settings = AdmissionSettings(anticipate_seconds=0 if "off" in why else window)
+    w = World(10, settings=settings)
+    turn1 = hashes(1, 6)
+    first = await w.gate.admit(w.decision(turn1, 0), 0)
+    w.gate.release(first.claim, ended=True)
+    if why == "never followed":
+        await asyncio.sleep(2 * window)  # the follow-up comes after the window: a miss
+    second = await w.gate.admit(w.decision(extend(turn1, 901), 0), 0)
+    cold = asyncio.ensure_future(w.gate.admit(w.decision(hashes(2, 8), 0), 0))
+    await asyncio.sleep(0.01)
+    w.gate.release(second.claim, ended=why != "the request failed")
+    grant = await asyncio.wait_for(cold, 1)
+    assert grant.how is Admitted.QUEUED and w.gate.reserved_blocks(w.eps[0]) == 0
+    assert grant.held_s < 1  # granted on the release, not after some window or the hold bound
+
+
+def test_a_group_is_expected_back_after_a_follow_up_in_time_and_doubted_after_a_miss() -> None:
+    from kvstrata.router.followups import FollowUps
+
+    f = FollowUps(window_s=1.0)
+    a = hashes(1, 4)
+    assert not f.expected(a)
+    f.ended(a, now=10.0)
+    assert not f.arrived(hashes(2, 9), now=10.1)  # another group's request extends nothing
+    assert f.arrived(extend(a, 7, 8), now=10.2)
+    assert f.expected(a) and f.expected(hashes(1, 9))  # the group: its first block
+    f.ended(extend(a, 7, 8), now=11.0)
+    assert not f.arrived(extend(a, 7, 8, 9), now=12.5)  # too late: a miss
+    assert not f.expected(a)
+    f.ended(a, now=20.0)
+    assert not f.arrived(array("Q", [*a, *range(500, 600)]), now=20.1)  # extended by 100 blocks: no turn
