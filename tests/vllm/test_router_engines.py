@@ -381,6 +381,48 @@ async def test_a_burst_larger_than_the_pools_waits_in_the_router_not_in_preempti
     assert all(ep["admittedBlocks"] == 0 for ep in state["endpoints"].values()), state["endpoints"]
 
 
+async def test_a_conversation_followed_at_once_finds_its_room_kept(stack: Stack) -> None:
+    """Anticipation (admission.anticipateSeconds): a conversation whose turns follow each other at once
+    teaches the router so; when a turn ends, its blocks' room stays kept on its engine and the next turn
+    takes it (``reserved``), hitting the cache of the turn before. Token-id prompts, so each turn extends
+    the previous one exactly as a chat's next turn would."""
+    log = stack.log_dir / "router-anticipate.log"
+    proc, url = await asyncio.to_thread(
+        start_router, stack.engines, stack.model_dir, log, {"ADMISSION": '{"anticipateSeconds": 2.0}'}
+    )
+    rng = random.Random(11)
+    prompt = [rng.randrange(100, 4000) for _ in range(12 * BLOCK)]
+    answers = []
+    try:
+        async with aiohttp.ClientSession() as s:
+            for _turn in range(3):
+                body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "ignore_eos": True}
+                status, headers, resp = await post(s, url, "/v1/completions", body)
+                assert status == 200, resp
+                answers.append((len(prompt), headers, resp))
+                # The next turn, sent the moment the answer is in: this prompt and two blocks more (what
+                # an agent appends: the answer, a tool's result).
+                prompt = prompt + [rng.randrange(100, 4000) for _ in range(2 * BLOCK)]
+        how = [h["x-kvstrata-admission"] for _, h, _ in answers]
+        cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for _, _, r in answers]
+        print(f"\n[router-engines] anticipation: admissions {how}, cached tokens {cached}")
+        # Turn 1 is new and ends before anything has followed it; turn 2 follows it in time (the group
+        # is learnt), so turn 2's end keeps room for turn 3, which takes it.
+        assert how[0] == "direct" and how[2] == "reserved", how
+        previous_full_blocks = answers[1][0] // BLOCK
+        assert cached[2] >= previous_full_blocks * BLOCK, (cached, previous_full_blocks)
+        assert {h["x-kvstrata-endpoint"] for _, h, _ in answers[1:]} == {answers[0][1]["x-kvstrata-endpoint"]}
+        # The last turn's room is given back when its window ends unused.
+        state = await asyncio.to_thread(router_state, stack, url)
+        assert sum(ep["reservedBlocks"] for ep in state["endpoints"].values()) > 0, state["endpoints"]
+        await asyncio.sleep(2.5)
+        state = await asyncio.to_thread(router_state, stack, url)
+        assert all(ep["reservedBlocks"] == 0 for ep in state["endpoints"].values()), state["endpoints"]
+    finally:
+        await asyncio.to_thread(stop_router, proc)
+    assert "Traceback" not in log.read_text()
+
+
 async def _one(
     s: aiohttp.ClientSession, base: str, prompt: str, stream: bool, out: dict[str, Any] | None = None
 ) -> dict[str, Any]:

@@ -284,9 +284,12 @@ class Gate:
         return len(self._waiting)
 
     def fits(self, ep: Endpoint, blocks: int, hashes: Sequence[int] = ()) -> bool:
-        """Room for ``blocks`` more on ``ep``: always when nothing of ours runs there or its pool is
-        unknown (a request larger than the pool must still run, and the engine says if it cannot)."""
-        claims = [*self._claims.get(ep.url, ()), *(r.claim for r in self._reservations(ep, time.monotonic()))]
+        """Room for ``blocks`` more on ``ep``: always when nothing of ours runs there (nor is kept for a
+        follow-up) or its pool is unknown (a request larger than the pool must still run, and the engine
+        says if it cannot)."""
+        claims = self._claims.get(ep.url, [])
+        if self._reserved:  # rooms kept for follow-ups count as taken
+            claims = [*claims, *(r.claim for r in self._reservations(ep, time.monotonic()))]
         if not claims or ep.kv_blocks <= 0:
             return True
         pool = ep.kv_blocks - 1  # vLLM keeps one block of its pool as the null block
