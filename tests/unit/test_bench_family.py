@@ -149,39 +149,20 @@ def test_reruns_give_the_spread_of_one_router_and_a_loss_is_weighed_against_it()
         return {"router": name, "hit_rate": hit, "ttft_ms_mean": mean, "ttft_ms_p99": 2 * mean, "errors": 0}
 
     peer, kv_again, peer_again = "peer/a", f"{KVSTRATA}@rerun", "peer/a@rerun"
+    routers = [KVSTRATA, peer, kv_again, peer_again]
+
+    def draw_of(hits: tuple[float, ...], means: tuple[float, ...] = (100, 100, 100, 100)) -> dict[str, Any]:
+        rows = [row(n, h, m) for n, h, m in zip(routers, hits, means, strict=True)]
+        return {"regime": "pressure", "results": rows}
+
     draws = [
         # A loss of 2 points where each router's rerun moved by up to 5: within the noise.
-        {
-            "regime": "pressure",
-            "results": [
-                row(KVSTRATA, 0.50, 100),
-                row(peer, 0.52, 100),
-                row(kv_again, 0.55, 150),
-                row(peer_again, 0.51, 50),
-            ],
-        },
+        draw_of((0.50, 0.52, 0.55, 0.51), (100, 100, 150, 50)),
         # A loss of 10 points where the reruns moved by 1: beyond it.
-        {
-            "regime": "pressure",
-            "results": [
-                row(KVSTRATA, 0.40, 100),
-                row(peer, 0.50, 100),
-                row(kv_again, 0.41, 100),
-                row(peer_again, 0.50, 100),
-            ],
-        },
+        draw_of((0.40, 0.50, 0.41, 0.50)),
         # A win: no loss to weigh.
-        {
-            "regime": "pressure",
-            "results": [
-                row(KVSTRATA, 0.70, 100),
-                row(peer, 0.60, 100),
-                row(kv_again, 0.70, 100),
-                row(peer_again, 0.60, 100),
-            ],
-        },
+        draw_of((0.70, 0.60, 0.70, 0.60)),
     ]
-    routers = [KVSTRATA, peer, kv_again, peer_again]
     out = pooled(draws, routers)["pressure"]
     spread = out["rerun_spread"][KVSTRATA]
     assert spread["pairs"] == 3
