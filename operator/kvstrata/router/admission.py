@@ -312,6 +312,7 @@ class Gate:
             # The room its conversation's last request kept is its own: it goes before those held there.
             kept_at = self._take_reservation(decision, now)
             if kept_at is home and self.fits(home, blocks, decision.hashes):
+                log.debug("reserved prefix=%016x blocks=%d -> %s", decision.hashes[0], blocks, home.url)
                 return Grant(home, Admitted.RESERVED, 0.0, self.claim(home, decision, out), out)
             if kept_at is not None and self._waiting:
                 self.pump()  # routed elsewhere: the room kept for it is free
