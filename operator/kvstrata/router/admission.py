@@ -283,12 +283,12 @@ class Gate:
     def held(self) -> int:
         return len(self._waiting)
 
-    def fits(self, ep: Endpoint, blocks: int, hashes: Sequence[int] = ()) -> bool:
+    def fits(self, ep: Endpoint, blocks: int, hashes: Sequence[int] = (), *, kept: bool = True) -> bool:
         """Room for ``blocks`` more on ``ep``: always when nothing of ours runs there (nor is kept for a
         follow-up) or its pool is unknown (a request larger than the pool must still run, and the engine
-        says if it cannot)."""
+        says if it cannot). ``kept``: rooms kept for follow-ups count as taken."""
         claims = self._claims.get(ep.url, [])
-        if self._reserved:  # rooms kept for follow-ups count as taken
+        if kept and self._reserved:
             claims = [*claims, *(r.claim for r in self._reservations(ep, time.monotonic()))]
         if not claims or ep.kv_blocks <= 0:
             return True
@@ -310,8 +310,11 @@ class Gate:
             now = time.monotonic()
             self._followups.arrived(decision.hashes, now)
             # The room its conversation's last request kept is its own: it goes before those held there.
+            # Rooms kept for other conversations do not hold it back: they keep out requests that would
+            # evict them for nothing, not each other's follow-ups (first run: two conversations on one
+            # pool each waited for the other's window to end, TTFT mean 1.2x, no follow-up served).
             kept_at = self._take_reservation(decision, now)
-            if kept_at is home and self.fits(home, blocks, decision.hashes):
+            if kept_at is home and self.fits(home, blocks, decision.hashes, kept=False):
                 log.debug("reserved prefix=%016x blocks=%d -> %s", decision.hashes[0], blocks, home.url)
                 return Grant(home, Admitted.RESERVED, 0.0, self.claim(home, decision, out), out)
             if kept_at is not None and self._waiting:

@@ -347,3 +347,27 @@ def test_a_group_is_expected_back_after_a_follow_up_in_time_and_doubted_after_a_
     assert not f.expected(a)
     f.ended(a, now=20.0)
     assert not f.arrived(array("Q", [*a, *range(500, 600)]), now=20.1)  # extended by 100 blocks: no turn
+
+
+async def test_a_follow_up_is_not_held_back_by_the_room_kept_for_another_conversation() -> None:
+    """Two conversations of one tenant end on a pool that holds one: each keeps its room, and each
+    follow-up takes its own at once instead of waiting for the other's window to end."""
+    w = World(10, settings=AdmissionSettings(anticipate_seconds=5.0))
+    tenant = hashes(1, 3)
+    convs = [extend(tenant, 10 + c, 20 + c, 30 + c) for c in range(2)]  # 6 blocks each, 3 shared
+    running = []
+    for conv in convs:  # teach the group that its requests are followed at once
+        first = await w.gate.admit(w.decision(conv[:-1], 0), 0)
+        w.gate.release(first.claim, ended=True)
+        running.append(await w.gate.admit(w.decision(conv, 0), 0))
+    for grant in running:
+        w.gate.release(grant.claim, ended=True)
+    assert w.gate.reserved_blocks(w.eps[0]) == 9  # both kept: 3 shared + 3 + 3
+    follow_up = await asyncio.wait_for(w.gate.admit(w.decision(extend(convs[0], 40, 41, 42), 0), 0), 1)
+    assert follow_up.how is Admitted.RESERVED  # 9 of its blocks beside the other's 6: not "no room"
+    cold = asyncio.ensure_future(w.gate.admit(w.decision(hashes(2, 3), 0), 0))
+    await asyncio.sleep(0.05)
+    assert not cold.done()  # the other conversation's room still keeps a cold request out
+    cold.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cold
