@@ -311,8 +311,9 @@ class Gate:
             self._followups.arrived(decision.hashes, now)
             # The room its conversation's last request kept is its own: it goes before those held there.
             # Rooms kept for other conversations do not hold it back: they keep out requests that would
-            # evict them for nothing, not each other's follow-ups (first run: two conversations on one
-            # pool each waited for the other's window to end, TTFT mean 1.2x, no follow-up served).
+            # evict them for nothing, not each other's follow-ups (first ablation, draw 91: two
+            # conversations on one pool each kept a room, and each one's follow-up waited for the other's
+            # window to end).
             kept_at = self._take_reservation(decision, now)
             if kept_at is home and self.fits(home, blocks, decision.hashes, kept=False):
                 log.debug("reserved prefix=%016x blocks=%d -> %s", decision.hashes[0], blocks, home.url)

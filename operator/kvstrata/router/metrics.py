@@ -150,8 +150,9 @@ class RouterMetrics:
         self.admissions = Counter(
             f"{p}_admissions",
             "Routed requests by how they got their engine: direct, queued (held until its engine had "
-            "room), stolen (held, then sent to another engine that serves it as cheaply), expired (held "
-            "maxHoldSeconds), ungated",
+            "room), stolen (held, then sent to another engine that serves it as cheaply), moved (held as "
+            "long as moving would cost, then sent elsewhere), reserved (took the room its conversation's "
+            "last request kept), expired (held maxHoldSeconds), ungated",
             ["how"],
             registry=r,
         )
