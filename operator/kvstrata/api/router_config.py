@@ -182,6 +182,8 @@ class AdmissionSettings(_Wire):
         description="Output tokens counted for a request that sets no max_tokens (its blocks grow as it "
         "decodes)",
     )
+    # Off: on held-out pressure draws it cost TTFT (mean 1.18x, then 1.07x after a fix) for at most
+    # +1.2 +- 0.7 points of hit rate (docs/benchmarks.md, seventeenth session).
     anticipate_seconds: float = Field(
         0.0,
         ge=0,
