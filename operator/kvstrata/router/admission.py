@@ -260,17 +260,16 @@ class Gate:
             self._reserved.pop(ep.url, None)
         return kept
 
-    def _take_reservation(self, decision: Decision, now: float) -> Endpoint | None:
-        """The engine where the request this one extends ended and kept its room (its reservation is
-        given up: the follow-up claims the room itself), or None."""
-        if not self._reserved:
+    def _take_reservation(self, ended_last: int | None, now: float) -> Endpoint | None:
+        """The engine where the request ending in block ``ended_last`` (the one a follow-up extends,
+        FollowUps.arrived) kept its room, or None. The room is given up: the follow-up claims it."""
+        if ended_last is None:
             return None
-        key = Claim(decision.order[0], decision.hashes, 0).key
-        for r in [r for rs in self._reserved.values() for r in rs]:
-            ep = r.claim.endpoint
-            if r in self._reservations(ep, now) and _common_blocks(r.claim.key, key) == len(r.claim.hashes):
-                self._reserved[ep.url].remove(r)
-                return ep
+        for rs in self._reserved.values():
+            for r in rs:
+                if r.until > now and r.claim.hashes[-1] == ended_last:
+                    rs.remove(r)
+                    return r.claim.endpoint
         return None
 
     def in_flight_blocks(self, ep: Endpoint) -> int:
@@ -308,13 +307,13 @@ class Gate:
             return Grant(home, Admitted.UNGATED, 0.0, self.claim(home, decision, out), out)
         if self.settings.anticipate_seconds > 0:
             now = time.monotonic()
-            self._followups.arrived(decision.hashes, now)
+            ended_last = self._followups.arrived(decision.hashes, now)
             # The room its conversation's last request kept is its own: it goes before those held there.
             # Rooms kept for other conversations do not hold it back: they keep out requests that would
             # evict them for nothing, not each other's follow-ups (first ablation, draw 91: two
             # conversations on one pool each kept a room, and each one's follow-up waited for the other's
             # window to end).
-            kept_at = self._take_reservation(decision, now)
+            kept_at = self._take_reservation(ended_last, now)
             if kept_at is home and self.fits(home, blocks, decision.hashes, kept=False):
                 log.debug("reserved prefix=%016x blocks=%d -> %s", decision.hashes[0], blocks, home.url)
                 return Grant(home, Admitted.RESERVED, 0.0, self.claim(home, decision, out), out)

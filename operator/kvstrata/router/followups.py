@@ -45,17 +45,17 @@ class FollowUps:
             group, _ = self._ended.popitem(last=False)[1]
             self._learn(group, followed=False)
 
-    def arrived(self, hashes: Sequence[int], now: float) -> bool:
-        """A request arrives: True when it extends a request that ended within the window (and the
-        group learns that it was followed)."""
+    def arrived(self, hashes: Sequence[int], now: float) -> int | None:
+        """A request arrives: when it extends a request that ended within the window, that request's
+        last block hash (and the group learns that it was followed); else None."""
         self._expire(now)
         n = len(hashes)
         for i in range(n - 1, max(n - 1 - _TAIL_BLOCKS, -1), -1):
             found = self._ended.pop(hashes[i], None)
             if found is not None:
                 self._learn(found[0], followed=True)
-                return True
-        return False
+                return hashes[i]
+        return None
 
     def expected(self, hashes: Sequence[int]) -> bool:
         """Whether the group of a request that just ended usually sends its next one within the window."""

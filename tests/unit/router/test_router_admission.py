@@ -339,14 +339,14 @@ def test_a_group_is_expected_back_after_a_follow_up_in_time_and_doubted_after_a_
     a = hashes(1, 4)
     assert not f.expected(a)
     f.ended(a, now=10.0)
-    assert not f.arrived(hashes(2, 9), now=10.1)  # another group's request extends nothing
-    assert f.arrived(extend(a, 7, 8), now=10.2)
+    assert f.arrived(hashes(2, 9), now=10.1) is None  # another group's request extends nothing
+    assert f.arrived(extend(a, 7, 8), now=10.2) == a[-1]
     assert f.expected(a) and f.expected(hashes(1, 9))  # the group: its first block
     f.ended(extend(a, 7, 8), now=11.0)
-    assert not f.arrived(extend(a, 7, 8, 9), now=12.5)  # too late: a miss
+    assert f.arrived(extend(a, 7, 8, 9), now=12.5) is None  # too late: a miss
     assert not f.expected(a)
     f.ended(a, now=20.0)
-    assert not f.arrived(array("Q", [*a, *range(500, 600)]), now=20.1)  # extended by 100 blocks: no turn
+    assert f.arrived(array("Q", [*a, *range(500, 600)]), now=20.1) is None  # extended by 100 blocks: no turn
 
 
 async def test_a_follow_up_is_not_held_back_by_the_room_kept_for_another_conversation() -> None:
