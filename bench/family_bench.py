@@ -4,8 +4,11 @@ Per draw: three real vLLM CPU engines start with the KV capacity the draw asks f
 working set), every router runs the draw's workload on them in rotated order with the engines' prefix
 caches reset before each, then the engines stop. Hit rates come from the engines' own counters, TTFT
 from the client. Per draw the oracle (one infinite cache, prompts in order) is printed beside every
-router; pooled, kvstrata's paired differences against each peer (mean ± standard error over draws), split
-by regime: pressure (capacity < working set) and rich (≥). The seeds are 1..N; none is chosen by outcome.
+router, and each router's capacity bound (bench.workload.bounded_hit_rate: the best any placement could
+do with the cluster's pools, in the order that router's run sent the requests); pooled, kvstrata's paired
+differences against each peer (mean ± standard error over draws), split by regime: pressure (capacity <
+working set) and rich (≥), and how far each router stays below its bound. The seeds are 1..N; none is
+chosen by outcome.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import engine_metrics as em
+from bench.client import Result
 from bench.cpuquota import CpuQuotas
 from bench.family import Draw, conversations, draw, engine_blocks, paired, schedule
 from bench.procs import BenchError, ProcGroup, bench_main
@@ -36,7 +40,7 @@ from bench.router_bench import (
     router_metrics_file,
 )
 from bench.routers import RERUN, RouterConfig, Worker
-from bench.workload import distinct_blocks, ideal_hit_rate
+from bench.workload import bounded_hit_rate, distinct_blocks, ideal_hit_rate
 
 KVSTRATA = "kvstrata/kv-aware"
 # vllm-router's round_robin and kv_aware trailed by 25+ points in every earlier run; the best two peers
@@ -156,6 +160,8 @@ class Prepared:
     blocks: int
     max_len: int
     info: dict[str, Any]
+    # Token ids per conversation and turn, as the engines see them (for the capacity bound).
+    ids: list[list[list[int]]]
 
 
 def prepare(d: Draw, tok: Any) -> Prepared:
@@ -189,14 +195,24 @@ def prepare(d: Draw, tok: Any) -> Prepared:
         "oracle_hit_rate": round(ideal_hit_rate(in_order, BLOCK_SIZE), 4),
     }
     workload = _Workload(d.seed, [c.scripted(d.api) for c in convs], schedule(d), info)
-    return Prepared(d, workload, blocks, max_len, info)
+    return Prepared(d, workload, blocks, max_len, info, ids)
 
 
 def regime(p: Prepared) -> str:
     return "pressure" if p.info["capacity_actual"] < 1.0 else "rich"
 
 
-def _row(name: str, rnd: _Round | dict[str, Any], metrics: Path) -> dict[str, Any]:
+def own_order_bound(p: Prepared, results: list[Result]) -> float:
+    """The capacity bound (bench.workload.bounded_hit_rate) of the requests a router served, in the
+    order it sent them: that order depends on the router's own speed (closed loops, think times), and a
+    cache's best hit rate depends on the order, so each router is held to the bound of its own run. The
+    cluster's capacity is every engine's pool less the null block vLLM keeps."""
+    served = sorted((r for r in results if r.ok), key=lambda r: r.start_s)
+    token_lists = [p.ids[r.cid][r.turn] for r in served]
+    return bounded_hit_rate(token_lists, BLOCK_SIZE, ENGINES * (p.blocks - 1))
+
+
+def _row(name: str, rnd: _Round | dict[str, Any], metrics: Path, p: Prepared) -> dict[str, Any]:
     if isinstance(rnd, dict):
         return rnd
     ok = [r for r in rnd.results if r.ok]
@@ -207,6 +223,7 @@ def _row(name: str, rnd: _Round | dict[str, Any], metrics: Path) -> dict[str, An
         "errors": sum(not r.ok for r in rnd.results),
         "error_samples": sorted({r.error for r in rnd.results if r.error})[:3],
         "hit_rate": em.cluster_hit_rate(rnd.rows),
+        "bound_hit_rate": round(own_order_bound(p, rnd.results), 4),
         "ttft_ms_mean": mean(ttft),
         "ttft_ms_p50": percentile(ttft, 50),
         "ttft_ms_p99": percentile(ttft, 99),
@@ -304,7 +321,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for name in routers[k % len(routers) :] + routers[: k % len(routers)]:
                     print(f"- {name}", flush=True)
                     outcome = _run_router(procs, name, workers, cfg, engines, p.workload, run_args)
-                    rows[name] = _row(name, outcome, router_metrics_file(args.workdir, name))
+                    rows[name] = _row(name, outcome, router_metrics_file(args.workdir, name), p)
         finally:
             if quotas is not None:
                 quotas.close()
@@ -386,12 +403,25 @@ def pooled(draws: list[dict[str, Any]], routers: list[str]) -> dict[str, Any]:
         section["hit_ge_best_peer_draws"] = ge_best
         section["rerun_spread"] = {r: _rerun_spread(chosen, r) for r in routers if f"{r}@{RERUN}" in routers}
         section["hit_losses_beyond_rerun"] = _losses_beyond_rerun(chosen, routers)
+        section["below_bound_points"] = {r: _below_bound(chosen, r) for r in routers}
         section["errors"] = {
             r: sum(row.get("errors", 0) for d in chosen for row in d["results"] if row["router"] == r)
             for r in routers
         }
         out[name] = section
     return out
+
+
+def _below_bound(chosen: list[dict[str, Any]], router: str) -> tuple[float, float] | None:
+    """How far ``router``'s hit rate stays below the capacity bound of its own runs (points, mean ±
+    SE over the draws that have one): what better placement could still win, capacity taken out."""
+    gaps = [
+        100 * (r["bound_hit_rate"] - r["hit_rate"])
+        for d in chosen
+        for r in d["results"]
+        if r["router"] == router and _ok(r) and r.get("bound_hit_rate") is not None
+    ]
+    return paired(gaps)
 
 
 def _pm(x: tuple[float, float] | None, digits: int = 1) -> str:
@@ -450,11 +480,13 @@ def render(payload: dict[str, Any]) -> str:
             if predicted is not None and reported
             else "-"
         )
+        bound = kv.get("bound_hit_rate")
         rows.append(
             [
                 f"{d['seed']} {d['regime'][:5]} {d['capacity_actual']:.2f}x {d['api'][:4]} {d['arrival'][:5]} "
                 f"{d['tenants']}t",
                 fmt(100 * d["oracle_hit_rate"]),
+                "-" if bound is None else fmt(100 * bound),
                 *cells,
                 pred_actual,
             ]
@@ -464,6 +496,7 @@ def render(payload: dict[str, Any]) -> str:
             [
                 "draw (seed regime capacity api arrival tenants)",
                 "oracle %",
+                "kvstrata bound %",
                 *routers,
                 "kvstrata pred/actual %",
             ],
@@ -491,6 +524,12 @@ def render(payload: dict[str, Any]) -> str:
                     f"{aa['hit_points_abs_mean']:.1f} points on average, {aa['hit_points_abs_max']:.1f} at most; "
                     f"TTFT mean ratio {lo_mean:.2f}-{hi_mean:.2f}, p99 ratio {lo_p99:.2f}-{hi_p99:.2f}"
                 )
+        below = {r: v for r, v in (sec.get("below_bound_points") or {}).items() if v is not None}
+        if below:
+            lines.append(
+                "  hit below the capacity bound of its own run: "
+                + ", ".join(f"{r} {_pm(v)} points" for r, v in below.items())
+            )
         beyond = sec.get("hit_losses_beyond_rerun")
         if beyond is not None:
             lines.append(

@@ -10,6 +10,7 @@ byte-identical prompts. Pure: the same arguments always give the same workload.
 
 from __future__ import annotations
 
+import heapq
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -143,18 +144,63 @@ def distinct_blocks(token_lists: Sequence[Sequence[int]], block_size: int) -> in
 def ideal_hit_rate(token_lists: Sequence[Sequence[int]], block_size: int) -> float:
     """Hit rate with one unbounded prefix cache, prompts served one by one in the given order: the
     ceiling for any router. Like vLLM, the last prompt token is always computed, so only full blocks
-    within the first len-1 tokens can hit."""
+    within the first len-1 tokens can hit; every full block is cached, the last one too (a prompt that
+    ends on a block boundary leaves that block for the next turn)."""
     seen: set[object] = set()
     hits = total = 0
     for ids in token_lists:
         key: object = None
         matching = True
-        for end in range(block_size, len(ids), block_size):
+        for end in range(block_size, len(ids) + 1, block_size):
             key = (key, tuple(ids[end - block_size : end]))
-            if matching and key in seen:
+            if matching and end < len(ids) and key in seen:
                 hits += block_size
             else:
                 matching = False
             seen.add(key)
         total += len(ids)
     return hits / total if total else 0.0
+
+
+def bounded_hit_rate(token_lists: Sequence[Sequence[int]], block_size: int, capacity_blocks: int) -> float:
+    """The most any router can reach when the cluster holds ``capacity_blocks`` KV blocks in all,
+    prompts served one by one in the given order: the lower of the oracle (:func:`ideal_hit_rate`) and
+    one cache of that size evicting by Belady's rule (the block used again furthest in the future).
+
+    Why it bounds every placement over engines whose pools sum to ``capacity_blocks``: at any moment the
+    blocks the engines hold, pooled, fit in one such cache (copies only waste room), every block a
+    prompt computes is cached, and no eviction order finds blocks more often than Belady's. To stay a
+    bound it counts every block found, even past a missed one or in a prompt's last token (vLLM reuses a
+    prefix only up to its first miss, and always computes the last token). The oracle minus this is
+    what capacity costs, which no router can win back."""
+    refs: list[object] = []  # block keys, chained like vLLM's hashes, in the order requests use them
+    for ids in token_lists:
+        key: object = None
+        for end in range(block_size, len(ids) + 1, block_size):
+            key = (key, tuple(ids[end - block_size : end]))
+            refs.append(key)
+    never = len(refs)
+    next_use = [never] * len(refs)
+    later: dict[object, int] = {}
+    for i in range(len(refs) - 1, -1, -1):
+        next_use[i] = later.get(refs[i], never)
+        later[refs[i]] = i
+    cached: dict[object, int] = {}  # block -> its next use
+    heap: list[tuple[int, int, object]] = []  # (-next use, tie, block); stale entries are skipped
+    found = 0
+    for i, key in enumerate(refs):
+        if key in cached:
+            found += 1
+        elif len(cached) >= capacity_blocks:
+            if capacity_blocks <= 0:
+                continue
+            while True:
+                neg, _, victim = heapq.heappop(heap)
+                if cached.get(victim) == -neg:
+                    del cached[victim]
+                    break
+        cached[key] = next_use[i]
+        heapq.heappush(heap, (-next_use[i], i, key))
+    total = sum(len(ids) for ids in token_lists)
+    belady = found * block_size / total if total else 0.0
+    return min(belady, ideal_hit_rate(token_lists, block_size))
