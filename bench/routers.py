@@ -31,6 +31,9 @@ KVSTRATA_VARIANTS: dict[str, dict[str, str]] = {
     "wait-move": {"KVSTRATA_ROUTER_ADMISSION": '{"moveWhenHeldPastPrefill": true}'},
     # Anticipation (off by default): an ended request's room kept 0.25 s for its follow-up.
     "anticipate": {"KVSTRATA_ROUTER_ADMISSION": '{"anticipateSeconds": 0.25}'},
+    # The prefill scorer counting an uncached token once where the engine has room for the copy
+    # (copyWithRoom, off by default; eighteenth session).
+    "copy-with-room": {"KVSTRATA_ROUTER_COPY_WITH_ROOM": "true"},
     # The share bound (off by default) at the factor it was built with.
     "share-bound": {"KVSTRATA_ROUTER_SHARE_BOUND_FACTOR": "1.3"},
 }

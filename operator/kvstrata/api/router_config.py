@@ -213,6 +213,13 @@ class RouterSettings(_Wire):
         description="Prefill scorer: queued prefill tokens counted per uncached prompt token; below 1 "
         "a request waits for the engine holding its prefix rather than recompute it elsewhere",
     )
+    copy_with_room: bool = Field(
+        False,
+        description="Off unless set. Prefill scorer: at an engine whose KV pool has room for the prompt's "
+        "new blocks (the fit scorer's recent demand plus them within its pool), count its uncached "
+        "tokens at their prefill alone: queueWeight discounts the queue for the evictions a copy causes "
+        "elsewhere, and there it causes none",
+    )
     bounded_load_slack: int = Field(
         4,
         ge=0,

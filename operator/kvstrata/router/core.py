@@ -543,6 +543,8 @@ class Router:
             time.monotonic(),
             blocks,
         )
+        if self.settings.copy_with_room:
+            rreq.with_room = self._with_room(rreq, eps)
         ranking = self._rank(rreq, eps)
         ranked = ranking.ranked
         order = [r.endpoint for r in ranked] + ranking.dropped  # dropped: a retry if all else fails
@@ -597,6 +599,14 @@ class Router:
             # short TTL after it (settle re-times the prediction the decision holds, now this one).
             ttl = self.index.ttl_left(pred)
             decision.prediction = self.index.predict(ep.url, hashes[:_MAX_PREDICTED_BLOCKS], ttl)
+
+    def _with_room(self, rreq: RouteRequest, eps: list[Endpoint]) -> frozenset[str]:
+        """The endpoints whose pool has room for the blocks the prompt would add there, as the fit
+        scorer counts demand (none without a fit scorer)."""
+        fit = self._scorer(FitScorer)
+        if fit is None:
+            return frozenset()
+        return frozenset(ep.url for ep in eps if fit.fits(ep, rreq.now, fit.added_blocks(rreq, ep)))
 
     def _rank(self, rreq: RouteRequest, eps: list[Endpoint]) -> _Ranking:
         """The scorers' ranking of the endpoints the load and share bounds keep, and those they drop."""

@@ -44,6 +44,9 @@ class RouteRequest:
     # The prompt's full blocks when ``hashes`` holds only the leading ones (a long stretch no engine
     # holds the start of is hashed after the decision: Router._probe); None: all hashed.
     blocks: int | None = None
+    # Endpoints whose KV pool has room for the blocks this prompt would add there (FitScorer.fits);
+    # filled only with ``copyWithRoom``.
+    with_room: frozenset[str] = frozenset()
 
     def block_count(self) -> int:
         """The prompt's full blocks (estimated while only the leading ones are hashed)."""
@@ -150,17 +153,28 @@ class PrefillCostScorer(ScorerHooks):
     leaves out: the copy made elsewhere costs cache room there and evicts other prefixes, which later
     requests pay for (at 0.5, `make bench-router` lost 5 % hit rate to such copies). The same weight holds
     for a prompt no engine holds: counting that queue in full put a third document on an idle engine
-    that already held two (then :class:`CacheRoomScorer` lost by a hair) and it evicted."""
+    that already held two (then :class:`CacheRoomScorer` lost by a hair) and it evicted.
+
+    With ``room_aware`` (``copyWithRoom``, off by default) that discount applies only where it is due.
+    The cost is then scaled by 1 / ``queue_weight`` (the same ranking): the queue in full, and each
+    uncached token 1 / ``queue_weight`` times, which stands for the prefixes its block evicts; at an
+    engine with room for the prompt's new blocks (``RouteRequest.with_room``) a copy evicts nothing, so
+    there an uncached token counts once and the cost is the TTFT estimate. With memory to spare a
+    conversation then goes where its first token comes soonest; under pressure nothing changes."""
 
     tiers: TierWeights
     block_size: int
     queue_weight: float = 0.25
+    room_aware: bool = False
     name: str = "prefill"
 
     def cost(self, req: RouteRequest, ep: Endpoint) -> float:
         m = req.matches.get(ep.url)
         credit = credited_blocks(m, self.tiers) if m else 0.0
         own = uncached_tokens(req.prompt_tokens, len(req.hashes), credit, self.block_size)
+        if self.room_aware and self.queue_weight > 0:
+            evicts = 1.0 if ep.url in req.with_room else 1.0 / self.queue_weight
+            return own * evicts + ep.pending_prefill
         return own + self.queue_weight * ep.pending_prefill
 
     def score(self, req: RouteRequest, eps: Sequence[Endpoint]) -> list[float]:
@@ -283,6 +297,16 @@ class FitScorer(ScorerHooks):
         blocks = self.demand.get(ep.url)
         return 0 if blocks is None else blocks.expire_before(now - self.window_s)
 
+    def fits(self, ep: Endpoint, now: float, added: int) -> bool:
+        """``added`` more blocks fit in ``ep``'s pool beside its demand (False while its size is unknown)."""
+        return ep.kv_blocks > 0 and self.demand_blocks(ep, now) + added <= ep.kv_blocks
+
+    @staticmethod
+    def added_blocks(req: RouteRequest, ep: Endpoint) -> int:
+        """The blocks of the prompt ``ep`` does not hold yet."""
+        m = req.matches.get(ep.url)
+        return req.block_count() - (m.blocks if m else 0)
+
     def over_pool(self, ep: Endpoint, now: float) -> bool:
         """More distinct blocks were routed to ``ep`` lately than its pool holds (it evicts its own
         groups between their requests); False while its pool size is unknown."""
@@ -307,13 +331,10 @@ class FitScorer(ScorerHooks):
             return [0.0] * len(eps)
         scores = []
         for ep in eps:
-            demand = self.demand_blocks(ep, req.now)
-            m = req.matches.get(ep.url)
-            added = req.block_count() - (m.blocks if m else 0)
-            if demand + added <= ep.kv_blocks:
+            if self.fits(ep, req.now, self.added_blocks(req, ep)):
                 scores.append(1.0)
             else:
-                scores.append(0.5 if demand > ep.kv_blocks else 0.0)
+                scores.append(0.5 if self.demand_blocks(ep, req.now) > ep.kv_blocks else 0.0)
         return [0.0] * len(eps) if len(set(scores)) == 1 else scores
 
     def explain(self, outcome: Outcome, weight: float) -> Reason | None:
@@ -515,7 +536,7 @@ ScorerFactory = Callable[[RouterSettings], Scorer]
 
 # Scorers by name; each name is also the field of its weight in RouterSettings.weights.
 SCORERS: dict[str, ScorerFactory] = {
-    "prefill": lambda s: PrefillCostScorer(s.tier_weights, s.block_size, s.queue_weight),
+    "prefill": lambda s: PrefillCostScorer(s.tier_weights, s.block_size, s.queue_weight, s.copy_with_room),
     "prefix": lambda s: PrefixScorer(s.tier_weights),
     "load": lambda s: LoadScorer(),
     "kv_usage": lambda s: KvUsageScorer(),

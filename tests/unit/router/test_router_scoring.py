@@ -96,6 +96,46 @@ def test_prefill_keeps_a_follow_up_on_its_busy_holder_unless_prefill_queues_ther
     assert pick(req, cold_queued, scorers)[0].endpoint.url == "idle"
 
 
+def test_with_copy_with_room_an_uncached_token_counts_once_where_the_copy_evicts_nothing() -> None:
+    """copyWithRoom: the queue weight's discount stands for the evictions a copy causes; at an engine
+    with room for the prompt's new blocks the cost is the TTFT estimate (queue + own prefill)."""
+    tiers = TierWeights()
+    req = RouteRequest(hashes=list(range(26)), matches={"holder": PrefixMatch(24, gpu=24)}, prompt_tokens=850)
+    holder = ep("holder", in_flight=2, pending_prefill=2 * 850)  # two cold documents queued there
+    idle = ep("idle")
+    plain = PrefillCostScorer(tiers, 32, 0.25)
+    aware = PrefillCostScorer(tiers, 32, 0.25, room_aware=True)
+    # Off, or on without room anywhere: the follow-up waits for its holder (82 + 1,700 / 4 < 850).
+    assert plain.score(req, [holder, idle])[0] == 1.0
+    assert aware.score(req, [holder, idle])[0] == 1.0
+    assert aware.cost(req, holder) == pytest.approx(plain.cost(req, holder) / 0.25)
+    # The idle engine has room for the copy: 850 tokens of prefill there beat 1,700 queued + 4 x 82 at home.
+    roomy = RouteRequest(req.hashes, req.matches, prompt_tokens=850, with_room=frozenset({"idle"}))
+    assert aware.cost(roomy, idle) == 850.0
+    assert aware.cost(roomy, holder) == pytest.approx(1700 + 4 * 82)
+    assert aware.score(roomy, [holder, idle])[1] == 1.0
+    assert plain.score(roomy, [holder, idle])[0] == 1.0  # off: the room is not looked at
+    # With a queue too short to outweigh the copy's prefill, the holder keeps it even where there is room.
+    short = ep("holder", in_flight=1, pending_prefill=300)
+    assert aware.score(roomy, [short, idle])[0] == 1.0
+
+
+async def test_copy_with_room_asks_the_fit_scorer_which_engines_have_room() -> None:
+    r = _router("kv-aware", copyWithRoom=True)
+    a, b, c = r.pool.all()
+    a.kv_blocks, b.kv_blocks, c.kv_blocks = 4, 100, 0  # c: pool size unknown
+    fit = r._scorer(FitScorer)
+    assert fit is not None
+    fit.on_routed(a, time.monotonic(), [101, 102])  # two of a's four blocks in demand
+    d = await r.decide(_req(list(range(12))))  # three blocks, held by nobody
+    assert d.request is not None and d.request.with_room == frozenset({b.url})
+    off = _router("kv-aware")
+    for e in off.pool.all():
+        e.kv_blocks = 100
+    d = await off.decide(_req(list(range(12))))
+    assert d.request is not None and d.request.with_room == frozenset()  # only computed when on
+
+
 def test_prefill_ticket_counts_until_done() -> None:
     e = ep("a")
     first, second = PrefillTicket(e, 100), PrefillTicket(e, 30)
