@@ -331,10 +331,11 @@ class FitScorer(ScorerHooks):
             return [0.0] * len(eps)
         scores = []
         for ep in eps:
-            if self.fits(ep, req.now, self.added_blocks(req, ep)):
+            demand = self.demand_blocks(ep, req.now)  # once: each call expires the window's old blocks
+            if demand + self.added_blocks(req, ep) <= ep.kv_blocks:
                 scores.append(1.0)
             else:
-                scores.append(0.5 if self.demand_blocks(ep, req.now) > ep.kv_blocks else 0.0)
+                scores.append(0.5 if demand > ep.kv_blocks else 0.0)
         return [0.0] * len(eps) if len(set(scores)) == 1 else scores
 
     def explain(self, outcome: Outcome, weight: float) -> Reason | None:
