@@ -31,6 +31,10 @@ KVSTRATA_VARIANTS: dict[str, dict[str, str]] = {
     "wait-move": {"KVSTRATA_ROUTER_ADMISSION": '{"moveWhenHeldPastPrefill": true}'},
     # Anticipation (off by default): an ended request's room kept 0.25 s for its follow-up.
     "anticipate": {"KVSTRATA_ROUTER_ADMISSION": '{"anticipateSeconds": 0.25}'},
+    # ...kept only for prefix groups whose follow-ups found their blocks evicted (nineteenth session).
+    "anticipate-evicted": {
+        "KVSTRATA_ROUTER_ADMISSION": '{"anticipateSeconds": 0.25, "anticipateOnlyEvicted": true}'
+    },
     # The prefill scorer counting an uncached token once where the engine has room for the copy
     # (copyWithRoom, off by default; eighteenth session).
     "copy-with-room": {"KVSTRATA_ROUTER_COPY_WITH_ROOM": "true"},

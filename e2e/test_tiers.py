@@ -85,6 +85,10 @@ def _dir_bytes(root: Path) -> int:
     return total
 
 
+def _block_files(root: Path) -> int:
+    return sum(1 for _ in root.rglob("*.bin"))
+
+
 class DirSampler(threading.Thread):
     """The largest size each directory reached, sampled every `period` seconds until stopped."""
 
@@ -209,6 +213,9 @@ def test_killed_engine_leaves_no_stale_shm_that_stops_it(tiered_stack: Stack) ->
     assert regions, f"no offload region in {log}"
     old = regions[-1]
     assert Path(old).exists()
+    kv_dir = Path(victim["volumes"][NVME_MOUNT])
+    stored_before = _block_files(kv_dir)
+    print(f"\n{pod}: {stored_before} block files on its PVC at the kill")
     os.killpg(victim["pid"], signal.SIGKILL)
     # SIGKILL leaves the region behind (vllm#54002); otherwise the cleanup below would prove nothing.
     time.sleep(1)
@@ -240,5 +247,6 @@ def test_killed_engine_leaves_no_stale_shm_that_stops_it(tiered_stack: Stack) ->
         if parse_engine(_get(f"{url}/metrics")).counters.nvme_hits - disk_before >= 512:
             break
     assert parse_engine(_get(f"{url}/metrics")).counters.nvme_hits - disk_before >= 512, (
-        f"no prompt of the {served} tried came back from {pod}'s NVMe tier after the restart"
+        f"no prompt of the {served} tried came back from {pod}'s NVMe tier after the restart; "
+        f"block files on its PVC: {stored_before} at the kill, {_block_files(kv_dir)} now"
     )

@@ -207,6 +207,9 @@ def test_seed_lists_and_router_variants() -> None:
     assert settings("kvstrata/kv-aware@anticipate").admission.anticipate_seconds == 0.25
     assert settings("kvstrata/kv-aware@anticipate").admission.move_when_held_past_prefill is False
     assert settings("kvstrata/kv-aware").admission.anticipate_seconds == 0
+    evicted = settings("kvstrata/kv-aware@anticipate-evicted").admission
+    assert evicted.anticipate_seconds == 0.25 and evicted.anticipate_only_evicted
+    assert not settings("kvstrata/kv-aware@anticipate").admission.anticipate_only_evicted
     for bad in ("kvstrata/kv-aware@nope", "sglang-router/cache_aware@no-admission"):
         with pytest.raises(BenchError, match="variant"):
             variant_env(bad)

@@ -193,6 +193,12 @@ class AdmissionSettings(_Wire):
         "engine that long for the follow-up instead of admitting a held request that would evict them; "
         "0: off",
     )
+    anticipate_only_evicted: bool = Field(
+        False,
+        description="With anticipateSeconds: keep a room only for a prefix group whose follow-ups have "
+        "lately found the blocks of the request they extend evicted from its engine (turns that evict "
+        "each other); where nothing evicts them a kept room only holds other requests back",
+    )
 
 
 class RouterSettings(_Wire):

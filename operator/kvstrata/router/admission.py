@@ -22,7 +22,8 @@ own queue, as it would have without the gate.
 With ``anticipateSeconds`` (router/followups.py) a request that ends keeps its blocks' room on its engine
 for that long when its prefix group's requests are usually followed at once (agents, closed loops): a
 held request that would evict them waits until the follow-up arrives, which then goes first
-(*reserved*), or until the window ends.
+(*reserved*), or until the window ends. With ``anticipateOnlyEvicted`` a group keeps rooms only once
+its follow-ups have found their blocks evicted: where nothing evicts them a kept room saves no prefill.
 
 *Room* is this router's own count: the distinct blocks its in-flight requests pin on the engine (a
 prefix shared by several counts once), plus each one's output, against the pool size the engine reports
@@ -47,7 +48,7 @@ from enum import StrEnum
 
 from kvstrata.api.router_config import AdmissionSettings, TierWeights
 from kvstrata.router.decision import Decision
-from kvstrata.router.followups import FollowUps
+from kvstrata.router.followups import FollowUp, FollowUps
 from kvstrata.router.index import PrefixMatch
 from kvstrata.router.pool import Endpoint
 from kvstrata.router.scoring import credited_blocks, uncached_tokens
@@ -179,7 +180,9 @@ class Gate:
         self.deps = deps
         self._claims: dict[str, list[Claim]] = {}
         self._waiting: list[_Waiter] = []
-        self._followups = FollowUps(settings.anticipate_seconds)
+        self._followups = FollowUps(
+            settings.anticipate_seconds, only_evicted=settings.anticipate_only_evicted
+        )
         self._reserved: dict[str, list[_Reservation]] = {}
 
     # --- bookkeeping -----------------------------------------------------------------------------
@@ -234,7 +237,7 @@ class Gate:
 
     def _anticipate(self, claim: Claim) -> None:
         now = time.monotonic()
-        self._followups.ended(claim.hashes, now)
+        self._followups.ended(claim.hashes, claim.endpoint.url, now)
         if not self._followups.expected(claim.hashes):
             return
         window = self.settings.anticipate_seconds
@@ -260,14 +263,14 @@ class Gate:
             self._reserved.pop(ep.url, None)
         return kept
 
-    def _take_reservation(self, ended_last: int | None, now: float) -> Endpoint | None:
-        """The engine where the request ending in block ``ended_last`` (the one a follow-up extends,
-        FollowUps.arrived) kept its room, or None. The room is given up: the follow-up claims it."""
-        if ended_last is None:
+    def _take_reservation(self, follow_up: FollowUp | None, now: float) -> Endpoint | None:
+        """The engine where the request ``follow_up`` extends kept its room, or None. The room is given
+        up: the follow-up claims it."""
+        if follow_up is None:
             return None
         for rs in self._reserved.values():
             for r in rs:
-                if r.until > now and r.claim.hashes[-1] == ended_last:
+                if r.until > now and r.claim.hashes[-1] == follow_up.last:
                     rs.remove(r)
                     return r.claim.endpoint
         return None
@@ -307,13 +310,17 @@ class Gate:
             return Grant(home, Admitted.UNGATED, 0.0, self.claim(home, decision, out), out)
         if self.settings.anticipate_seconds > 0:
             now = time.monotonic()
-            ended_last = self._followups.arrived(decision.hashes, now)
+            follow_up = self._followups.arrived(decision.hashes, now)
             # The room its conversation's last request kept is its own: it goes before those held there.
             # Rooms kept for other conversations do not hold it back: they keep out requests that would
             # evict them for nothing, not each other's follow-ups (first ablation, draw 91: two
             # conversations on one pool each kept a room, and each one's follow-up waited for the other's
             # window to end).
-            kept_at = self._take_reservation(ended_last, now)
+            kept_at = self._take_reservation(follow_up, now)
+            if follow_up is not None and kept_at is None:
+                # What its engine still holds of it, from the index as the decision read it just now.
+                m = decision.matches.get(follow_up.endpoint)
+                self._followups.found(follow_up, m.gpu + m.predicted if m else 0)
             if kept_at is home and self.fits(home, blocks, decision.hashes, kept=False):
                 log.debug("reserved prefix=%016x blocks=%d -> %s", decision.hashes[0], blocks, home.url)
                 return Grant(home, Admitted.RESERVED, 0.0, self.claim(home, decision, out), out)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import NamedTuple
 
 # A follow-up extends the previous prompt by that prompt's answer and a new turn: its last full block
 # is this close to the follow-up's end (64 blocks: 2K tokens of answer and turn at block size 32).
@@ -24,57 +25,84 @@ _TAIL_BLOCKS = 64
 _KEEP = 4096
 
 
-class FollowUps:
-    def __init__(self, window_s: float) -> None:
-        self.window_s = window_s
-        # Ended requests, oldest first: last full block hash -> (group, when it ended). Block hashes are
-        # chained, so a request holding that hash at any position extends the ended one.
-        self._ended: OrderedDict[int, tuple[int, float]] = OrderedDict()
-        # Per group: how often its ended requests were followed in time (an average of 1s and 0s that
-        # weighs the last observations most).
-        self._rate: OrderedDict[int, float] = OrderedDict()
+class FollowUp(NamedTuple):
+    """An arriving request extends one that ended within the window."""
 
-    def ended(self, hashes: Sequence[int], now: float) -> None:
-        """A request with these prompt block hashes ended well at monotonic ``now``."""
+    last: int  # the ended request's last full block hash
+    endpoint: str  # the engine it ended on
+    blocks: int  # its full prompt blocks: what that engine held of the follow-up when it ended
+    group: int
+
+
+class _Ended(NamedTuple):
+    group: int
+    at: float
+    endpoint: str
+    blocks: int
+
+
+class FollowUps:
+    def __init__(self, window_s: float, *, only_evicted: bool = False) -> None:
+        self.window_s = window_s
+        self.only_evicted = only_evicted
+        # Ended requests, oldest first, by last full block hash. Block hashes are chained, so a request
+        # holding that hash at any position extends the ended one.
+        self._ended: OrderedDict[int, _Ended] = OrderedDict()
+        # Per group: how often its ended requests were followed in time, and how often a follow-up found
+        # its blocks evicted (averages of 1s and 0s that weigh the last observations most).
+        self._rate: OrderedDict[int, float] = OrderedDict()
+        self._evicted: OrderedDict[int, float] = OrderedDict()
+
+    def ended(self, hashes: Sequence[int], endpoint: str, now: float) -> None:
+        """A request with these prompt block hashes ended well on ``endpoint`` at monotonic ``now``."""
         if not hashes:
             return
         self._expire(now)
-        self._ended[hashes[-1]] = (hashes[0], now)
+        self._ended[hashes[-1]] = _Ended(hashes[0], now, endpoint, len(hashes))
         self._ended.move_to_end(hashes[-1])
         while len(self._ended) > _KEEP:
-            group, _ = self._ended.popitem(last=False)[1]
-            self._learn(group, followed=False)
+            self._learn(self._rate, self._ended.popitem(last=False)[1].group, False)
 
-    def arrived(self, hashes: Sequence[int], now: float) -> int | None:
-        """A request arrives: when it extends a request that ended within the window, that request's
-        last block hash (and the group learns that it was followed); else None."""
+    def arrived(self, hashes: Sequence[int], now: float) -> FollowUp | None:
+        """A request arrives: the request it extends when that one ended within the window (and the group
+        learns that it was followed); else None."""
         self._expire(now)
         n = len(hashes)
         for i in range(n - 1, max(n - 1 - _TAIL_BLOCKS, -1), -1):
             found = self._ended.pop(hashes[i], None)
             if found is not None:
-                self._learn(found[0], followed=True)
-                return hashes[i]
+                self._learn(self._rate, found.group, True)
+                return FollowUp(hashes[i], found.endpoint, found.blocks, found.group)
         return None
 
+    def found(self, follow_up: FollowUp, held_blocks: int) -> None:
+        """A follow-up whose predecessor kept no room finds ``held_blocks`` of its prefix still on the
+        engine that predecessor ended on: fewer than it left there, and the group's turns evict each
+        other. (Follow-ups into a kept room teach nothing: the room kept their blocks.)"""
+        self._learn(self._evicted, follow_up.group, held_blocks < follow_up.blocks)
+
     def expected(self, hashes: Sequence[int]) -> bool:
-        """Whether the group of a request that just ended usually sends its next one within the window."""
-        return bool(hashes) and self._rate.get(hashes[0], 0.0) >= 0.5
+        """Whether the group of a request that just ended usually sends its next one within the window
+        (and, with ``only_evicted``, usually finds its blocks evicted by then)."""
+        if not hashes or self._rate.get(hashes[0], 0.0) < 0.5:
+            return False
+        return not self.only_evicted or self._evicted.get(hashes[0], 0.0) >= 0.5
 
     def _expire(self, now: float) -> None:
         """Ended requests not followed within the window teach their group that it was not."""
         while self._ended:
             last = next(iter(self._ended))
-            group, at = self._ended[last]
-            if now - at <= self.window_s:
+            ended = self._ended[last]
+            if now - ended.at <= self.window_s:
                 break
             del self._ended[last]
-            self._learn(group, followed=False)
+            self._learn(self._rate, ended.group, False)
 
-    def _learn(self, group: int, *, followed: bool) -> None:
+    @staticmethod
+    def _learn(rates: OrderedDict[int, float], group: int, seen: bool) -> None:
         # Half weight on the newest observation: one follow-up in time is enough to expect the next, a
         # miss halves the belief (a conversation's last turn is followed by nothing).
-        rate = self._rate.pop(group, 0.0)
-        self._rate[group] = 0.5 * rate + 0.5 * float(followed)
-        while len(self._rate) > _KEEP:
-            self._rate.popitem(last=False)
+        rate = rates.pop(group, 0.0)
+        rates[group] = 0.5 * rate + 0.5 * float(seen)
+        while len(rates) > _KEEP:
+            rates.popitem(last=False)

@@ -14,6 +14,7 @@ import pytest
 from kvstrata.api.router_config import AdmissionSettings, TierWeights
 from kvstrata.router.admission import Admitted, Claim, Gate, GateDeps, distinct_blocks
 from kvstrata.router.decision import Decision
+from kvstrata.router.followups import FollowUp
 from kvstrata.router.index import PrefixMatch
 from kvstrata.router.pool import Endpoint, EndpointSpec
 from kvstrata.router.reasons import Reason
@@ -65,7 +66,9 @@ class World:
     def decision(self, hs: array[int], home: int, tokens: int | None = None) -> Decision:
         order = [self.eps[home], *(ep for i, ep in enumerate(self.eps) if i != home)]
         n = len(hs) * BS if tokens is None else tokens
-        return Decision(order, Reason.PREFIX, hs, prompt_tokens=n, request=RouteRequest(hs))
+        return Decision(
+            order, Reason.PREFIX, hs, matches=self.lookup(hs), prompt_tokens=n, request=RouteRequest(hs)
+        )
 
 
 def test_shared_prefixes_count_once() -> None:
@@ -313,6 +316,24 @@ async def test_an_ended_request_keeps_its_room_for_a_follow_up_that_comes_at_onc
     assert w.gate.reserved_blocks(w.eps[0]) == 0
 
 
+@pytest.mark.parametrize("evicted", [False, True])
+async def test_with_only_evicted_a_room_is_kept_only_for_turns_that_evict_each_other(evicted: bool) -> None:
+    """``anticipateOnlyEvicted``: a conversation followed at once whose engine still holds its blocks
+    when its next turn arrives keeps no room (nothing would evict them); one whose blocks were evicted
+    between its turns keeps its room at its next turn's end."""
+    settings = AdmissionSettings(anticipate_seconds=5.0, anticipate_only_evicted=True)
+    w = World(10, settings=settings)
+    turn1 = hashes(1, 6)
+    first = await w.gate.admit(w.decision(turn1, 0), 0)
+    w.gate.release(first.claim, ended=True)
+    if not evicted:
+        w.held["http://e0"].update(turn1)  # the engine reported the turn's blocks, and still holds them
+    second = await w.gate.admit(w.decision(extend(turn1, 901), 0), 0)
+    assert second.how is Admitted.DIRECT
+    w.gate.release(second.claim, ended=True)
+    assert w.gate.reserved_blocks(w.eps[0]) == (7 if evicted else 0)
+
+
 @pytest.mark.parametrize("why", ["anticipation off (the default)", "the request failed", "never followed"])
 async def test_no_room_is_kept_without_anticipation_an_answer_or_a_follow_up_in_time(why: str) -> None:
     window = 0.05
@@ -338,15 +359,31 @@ def test_a_group_is_expected_back_after_a_follow_up_in_time_and_doubted_after_a_
     f = FollowUps(window_s=1.0)
     a = hashes(1, 4)
     assert not f.expected(a)
-    f.ended(a, now=10.0)
+    f.ended(a, "http://e0", now=10.0)
     assert f.arrived(hashes(2, 9), now=10.1) is None  # another group's request extends nothing
-    assert f.arrived(extend(a, 7, 8), now=10.2) == a[-1]
+    assert f.arrived(extend(a, 7, 8), now=10.2) == FollowUp(a[-1], "http://e0", 4, a[0])
     assert f.expected(a) and f.expected(hashes(1, 9))  # the group: its first block
-    f.ended(extend(a, 7, 8), now=11.0)
+    f.ended(extend(a, 7, 8), "http://e0", now=11.0)
     assert f.arrived(extend(a, 7, 8, 9), now=12.5) is None  # too late: a miss
     assert not f.expected(a)
-    f.ended(a, now=20.0)
+    f.ended(a, "http://e0", now=20.0)
     assert f.arrived(array("Q", [*a, *range(500, 600)]), now=20.1) is None  # extended by 100 blocks: no turn
+
+
+def test_with_only_evicted_a_group_is_expected_back_once_its_follow_ups_find_their_blocks_gone() -> None:
+    from kvstrata.router.followups import FollowUps
+
+    f = FollowUps(window_s=1.0, only_evicted=True)
+    a = hashes(1, 4)
+    f.ended(a, "http://e0", now=10.0)
+    follow_up = f.arrived(extend(a, 7), now=10.1)
+    assert follow_up is not None and not f.expected(a)  # followed in time, but nothing evicted yet known
+    f.found(follow_up, held_blocks=4)  # the engine still held all 4 blocks it left there
+    assert not f.expected(a)
+    f.found(follow_up, held_blocks=1)  # 3 of them evicted before the follow-up came
+    assert f.expected(a) and not FollowUps(1.0).expected(a)
+    f.found(follow_up, held_blocks=4)
+    assert not f.expected(a)  # the newest observation weighs half: kept only while evictions go on
 
 
 async def test_a_follow_up_is_not_held_back_by_the_room_kept_for_another_conversation() -> None:
