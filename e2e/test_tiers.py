@@ -11,7 +11,8 @@ NVMe tier shrunk so that a short workload runs past its budget); tests run in fi
    blocks on media CPU and STORAGE from the engines' real KV events, and the STORAGE blocks the janitors
    evicted from the janitors.
 2. A SIGKILLed engine leaves its /dev/shm region behind; the restarted engine (same pod) removes it,
-   starts, and serves a prompt stored before the kill back from the NVMe tier.
+   starts, and serves a prompt stored before the kill (its block files checked on the PVC by hash)
+   back from the NVMe tier.
 """
 
 from __future__ import annotations
@@ -31,10 +32,12 @@ from typing import Any
 
 import pytest
 
-from kvstrata.api.router_config import FS_JANITOR_PORT
+from kvstrata.api.router_config import DEFAULT_HASH_ALGO, FS_JANITOR_PORT
 from kvstrata.controller.hitrate import HitRates
 from kvstrata.controller.promtext import parse_engine
+from kvstrata.engine.fsjanitor import BLOCK_SUFFIX, block_hash
 from kvstrata.render.objects import JANITOR_CONTAINER
+from kvstrata.router.hashing import block_hashes
 from kvstrata_dev.e2e import workload
 from kvstrata_dev.e2e.stack import Stack
 
@@ -83,10 +86,6 @@ def _dir_bytes(root: Path) -> int:
             with contextlib.suppress(FileNotFoundError):  # the janitor may unlink it meanwhile
                 total += os.stat(os.path.join(dirpath, f)).st_size
     return total
-
-
-def _block_files(root: Path) -> int:
-    return sum(1 for _ in root.rglob("*.bin"))
 
 
 class DirSampler(threading.Thread):
@@ -213,9 +212,13 @@ def test_killed_engine_leaves_no_stale_shm_that_stops_it(tiered_stack: Stack) ->
     assert regions, f"no offload region in {log}"
     old = regions[-1]
     assert Path(old).exists()
+    url = f"http://{victim['ip']}:{int(stack.manifest['spec']['engine'].get('port', 8000))}"
     kv_dir = Path(victim["volumes"][NVME_MOUNT])
-    stored_before = _block_files(kv_dir)
-    print(f"\n{pod}: {stored_before} block files on its PVC at the kill")
+    argv = victim["argv"]
+    block_size = int(argv[argv.index("--block-size") + 1])
+    assert argv[argv.index("--prefix-caching-hash-algo") + 1] == DEFAULT_HASH_ALGO  # block_hashes' default
+    kept, n = _a_prompt_on_the_pvc(stack, url, kv_dir, block_size)
+    print(f"\n{pod}: prompt {n}'s first {kept} blocks are on its PVC at the kill")
     os.killpg(victim["pid"], signal.SIGKILL)
     # SIGKILL leaves the region behind (vllm#54002); otherwise the cleanup below would prove nothing.
     time.sleep(1)
@@ -232,21 +235,76 @@ def test_killed_engine_leaves_no_stale_shm_that_stops_it(tiered_stack: Stack) ->
     new = REGION.findall(text)[-1]
     assert new != old and Path(new).exists()
 
-    # The PVC outlived the engine: a prompt it stored before the kill comes back from the NVMe tier.
-    e = _engines(stack)[pod]
-    url = f"http://{e['ip']}:{int(stack.manifest['spec']['engine'].get('port', 8000))}"
+    # The PVC outlived the engine: the prompt stored before the kill comes back from the NVMe tier (the
+    # restarted engine's GPU pool and CPU tier are empty).
+    assert _engines(stack)[pod]["ip"] == victim["ip"]
+    hashes = _prompt_hashes(url, stack.served_model(), prompt(n), block_size)
+    still = _leading(hashes, _stored_hashes(kv_dir))
+    assert still >= READ_BACK_BLOCKS, f"prompt {n}'s block files left {pod}'s PVC after the kill ({still})"
     disk_before = parse_engine(_get(f"{url}/metrics")).counters.nvme_hits
-    served = 0
-    for n in range(NEW_PROMPTS - 1, -1, -1):  # newest first: the janitor evicted the oldest
-        body = json.dumps({"model": stack.served_model(), "prompt": prompt(n), "max_tokens": 1}).encode()
-        req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            assert resp.status == 200
-        served += 1
-        # A prompt whose older blocks the janitor evicted comes back in part (seen: 128 tokens); try on.
-        if parse_engine(_get(f"{url}/metrics")).counters.nvme_hits - disk_before >= 512:
-            break
-    assert parse_engine(_get(f"{url}/metrics")).counters.nvme_hits - disk_before >= 512, (
-        f"no prompt of the {served} tried came back from {pod}'s NVMe tier after the restart; "
-        f"block files on its PVC: {stored_before} at the kill, {_block_files(kv_dir)} now"
+    _complete(url, stack.served_model(), prompt(n))
+    read_back = parse_engine(_get(f"{url}/metrics")).counters.nvme_hits - disk_before
+    assert read_back >= READ_BACK_BLOCKS * block_size, (
+        f"prompt {n} came back from {pod}'s NVMe tier with {read_back:.0f} tokens; its first {still} "
+        f"blocks are on the PVC"
     )
+
+
+# A prompt read back from the NVMe tier after the restart: at least this many of its leading blocks.
+READ_BACK_BLOCKS = 16
+
+
+def _post(url: str, payload: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(url, json.dumps(payload).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        assert resp.status == 200
+        return json.loads(resp.read())
+
+
+def _complete(url: str, model: str, text: str) -> None:
+    _post(f"{url}/v1/completions", {"model": model, "prompt": text, "max_tokens": 1})
+
+
+def _prompt_hashes(url: str, model: str, text: str, block_size: int) -> list[int]:
+    """The 64-bit hashes of the prompt's full blocks, from the engine's own token ids."""
+    tokens = _post(f"{url}/tokenize", {"model": model, "prompt": text})["tokens"]
+    return list(block_hashes(tokens, block_size))
+
+
+def _stored_hashes(root: Path) -> set[int]:
+    return {h for p in root.rglob(f"*{BLOCK_SUFFIX}") if (h := block_hash(str(p))) is not None}
+
+
+def _leading(hashes: list[int], stored: set[int]) -> int:
+    """Leading blocks of a prompt whose files are stored: the engine reads a prefix back, no more."""
+    n = 0
+    while n < len(hashes) and hashes[n] in stored:
+        n += 1
+    return n
+
+
+def _a_prompt_on_the_pvc(stack: Stack, url: str, kv_dir: Path, block_size: int) -> tuple[int, int]:
+    """(leading blocks stored, n) for a prompt ``prompt(n)`` whose first READ_BACK_BLOCKS blocks are block
+    files on the engine's PVC, and stay there: nothing is written after it, so the janitor evicts nothing.
+
+    The workload's prompts are not enough: the janitor may have evicted all of them. It evicts down to the
+    lower of its low mark and the budget less twice the largest growth it saw between two passes (seen
+    after the workload: 25 MB left of a 60 MB budget; once, a restarted engine found none of 40 prompts).
+    So a prompt the workload never sent is sent to the engine itself, and once its files are written a
+    pass of the janitor must leave them; if that pass evicts them (the write took usage past the high
+    mark), the next prompt's write, now below it, will not."""
+    model = stack.served_model()
+    for n in range(NEW_PROMPTS, NEW_PROMPTS + 3):
+        hashes = _prompt_hashes(url, model, prompt(n), block_size)
+        _complete(url, model, prompt(n))
+        _wait(
+            f"prompt {n}'s block files on the PVC",
+            lambda hashes=hashes: _leading(hashes, _stored_hashes(kv_dir)) >= READ_BACK_BLOCKS,
+            timeout=60,
+            interval=0.2,
+        )
+        time.sleep(3)  # the janitor passes at least once a second
+        kept = _leading(hashes, _stored_hashes(kv_dir))
+        if kept >= READ_BACK_BLOCKS:
+            return kept, n
+    raise AssertionError(f"the janitor evicted each of prompts {NEW_PROMPTS}-{n} right after it was written")

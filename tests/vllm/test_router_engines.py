@@ -155,6 +155,14 @@ async def post(
         return resp.status, dict(resp.headers), json.loads(raw) if raw else None
 
 
+async def turn_of(session: aiohttp.ClientSession, base: str, prompt: list[int]) -> tuple[dict[str, str], Any]:
+    """One turn of a token-id conversation (8 tokens answered): its headers and body."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "ignore_eos": True}
+    status, headers, resp = await post(session, base, "/v1/completions", body)
+    assert status == 200, resp
+    return headers, resp
+
+
 def engine_counter(engine: VllmEngine, name: str) -> float:
     total = 0.0
     for line in engine.metrics().splitlines():
@@ -168,6 +176,17 @@ def router_state(stack: Stack, url: str | None = None) -> dict[str, Any]:
 
     with urllib.request.urlopen((url or stack.router_url) + "/kvstrata/state", timeout=5) as resp:
         return json.loads(resp.read())
+
+
+def reserved_blocks(stack: Stack, url: str, wait_s: float) -> int:
+    """Blocks the router keeps for follow-ups, on every engine; polled up to ``wait_s`` for a positive
+    count (the room is kept as the answer ends)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        kept = sum(ep["reservedBlocks"] for ep in router_state(stack, url)["endpoints"].values())
+        if kept > 0 or time.monotonic() >= deadline:
+            return int(kept)
+        time.sleep(0.05)
 
 
 def router_metric(stack: Stack, name: str, url: str | None = None) -> float:
@@ -396,9 +415,7 @@ async def test_a_conversation_followed_at_once_finds_its_room_kept(stack: Stack)
     try:
         async with aiohttp.ClientSession() as s:
             for _turn in range(3):
-                body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "ignore_eos": True}
-                status, headers, resp = await post(s, url, "/v1/completions", body)
-                assert status == 200, resp
+                headers, resp = await turn_of(s, url, prompt)
                 answers.append((len(prompt), headers, resp))
                 # The next turn, sent the moment the answer is in: this prompt and two blocks more (what
                 # an agent appends: the answer, a tool's result).
@@ -418,6 +435,49 @@ async def test_a_conversation_followed_at_once_finds_its_room_kept(stack: Stack)
         await asyncio.sleep(2.5)
         state = await asyncio.to_thread(router_state, stack, url)
         assert all(ep["reservedBlocks"] == 0 for ep in state["endpoints"].values()), state["endpoints"]
+    finally:
+        await asyncio.to_thread(stop_router, proc)
+    assert "Traceback" not in log.read_text()
+
+
+@pytest.mark.parametrize("evicted", [False, True], ids=["blocks-kept", "blocks-evicted"])
+async def test_only_turns_that_lose_their_blocks_get_a_room_kept(stack: Stack, evicted: bool) -> None:
+    """``anticipateOnlyEvicted``: a conversation followed at once keeps a room only once a follow-up
+    found the blocks of the turn before evicted. Here prompts sent straight to the engine between turns
+    1 and 2 evict turn 1's blocks (the router learns it from the engine's BlockRemoved events); without
+    them turn 2 finds its blocks and no room is kept."""
+    log = stack.log_dir / f"router-anticipate-evicted-{evicted}.log"
+    settings = {"ADMISSION": '{"anticipateSeconds": 5.0, "anticipateOnlyEvicted": true}'}
+    proc, url = await asyncio.to_thread(start_router, stack.engines, stack.model_dir, log, settings)
+    rng = random.Random(13 if evicted else 17)
+    prompt = [rng.randrange(100, 4000) for _ in range(20 * BLOCK)]
+    how = []
+    try:
+        async with aiohttp.ClientSession() as s:
+            for turn in range(3):
+                headers, _ = await turn_of(s, url, prompt)
+                how.append(headers["x-kvstrata-admission"])
+                if turn == 0 and evicted:
+                    # More distinct blocks than the pool holds, straight to turn 1's engine: its blocks
+                    # (free since turn 1 ended, the least recently used) are evicted.
+                    for _ in range(3):
+                        flood = [rng.randrange(100, 4000) for _ in range(60 * BLOCK)]
+                        body = {"model": MODEL, "prompt": flood, "max_tokens": 1}
+                        status, _, resp = await post(
+                            s, headers["x-kvstrata-endpoint"], "/v1/completions", body
+                        )
+                        assert status == 200, resp
+                    await asyncio.sleep(0.5)  # the engine's BlockRemoved events reach the router
+                if turn == 1:
+                    kept = await asyncio.to_thread(reserved_blocks, stack, url, wait_s=1.0 if evicted else 0)
+                prompt = prompt + [rng.randrange(100, 4000) for _ in range(2 * BLOCK)]
+        print(
+            f"\n[router-engines] anticipation only where evicted ({evicted}): admissions {how}, kept {kept}"
+        )
+        if evicted:
+            assert kept > 0 and how[2] == "reserved", (how, kept)
+        else:
+            assert kept == 0 and how[2] == "direct", (how, kept)
     finally:
         await asyncio.to_thread(stop_router, proc)
     assert "Traceback" not in log.read_text()

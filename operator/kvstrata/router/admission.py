@@ -123,6 +123,7 @@ class _Waiter:
     future: asyncio.Future[Grant]
     keys: dict[str, float] = field(default_factory=dict)  # cost per endpoint URL, this pump
     move_at: float = math.inf  # monotonic time it may move to some other engine (this pump's estimate)
+    follow_up: FollowUp | None = None  # the request it extends ended within the window, keeping no room
 
 
 def _common_blocks(a: bytes, b: bytes) -> int:
@@ -308,6 +309,7 @@ class Gate:
         blocks = self.blocks(decision, out)
         if not self.settings.enabled or blocks is None or decision.request is None:
             return Grant(home, Admitted.UNGATED, 0.0, self.claim(home, decision, out), out)
+        unkept: FollowUp | None = None
         if self.settings.anticipate_seconds > 0:
             now = time.monotonic()
             follow_up = self._followups.arrived(decision.hashes, now)
@@ -317,19 +319,20 @@ class Gate:
             # conversations on one pool each kept a room, and each one's follow-up waited for the other's
             # window to end).
             kept_at = self._take_reservation(follow_up, now)
-            if follow_up is not None and kept_at is None:
-                # What its engine still holds of it, from the index as the decision read it just now.
-                m = decision.matches.get(follow_up.endpoint)
-                self._followups.found(follow_up, m.gpu + m.predicted if m else 0)
+            if kept_at is None:
+                unkept = follow_up  # it reports, once it goes, whether its blocks outlived no kept room
             if kept_at is home and self.fits(home, blocks, decision.hashes, kept=False):
                 log.debug("reserved prefix=%016x blocks=%d -> %s", decision.hashes[0], blocks, home.url)
                 return Grant(home, Admitted.RESERVED, 0.0, self.claim(home, decision, out), out)
             if kept_at is not None and self._waiting:
                 self.pump()  # routed elsewhere: the room kept for it is free
         if not self._waiting_for(home) and self.fits(home, blocks, decision.hashes):
+            self._found(unkept, decision.matches)
             return Grant(home, Admitted.DIRECT, 0.0, self.claim(home, decision, out), out)
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(decision, home, out, blocks, time.monotonic(), loop.create_future())
+        waiter = _Waiter(
+            decision, home, out, blocks, time.monotonic(), loop.create_future(), follow_up=unkept
+        )
         self._waiting.append(waiter)
         self.deps.commit(decision, home)
         log.debug(
@@ -363,6 +366,27 @@ class Gate:
                 self.release(waiter.future.result().claim)
             raise
 
+    def _found(self, follow_up: FollowUp | None, matches: dict[str, PrefixMatch]) -> None:
+        """A follow-up whose predecessor kept no room goes to an engine now: what the predecessor's engine
+        holds of it on the GPU, as its events confirmed (not what the router predicts there: a held
+        request's own prediction covers its prompt at its home), tells the group whether its turns
+        lose their blocks in between. Read when it goes, not when it arrives: a request admitted as the
+        predecessor ended evicts its blocks while the follow-up waits (first ablation, nineteenth
+        session: read at arrival, no follow-up in 16 pressure draws had yet lost a block)."""
+        if follow_up is None:
+            return
+        m = matches.get(follow_up.endpoint)
+        held = m.gpu if m else 0
+        self._followups.found(follow_up, held)
+        if held < follow_up.blocks:
+            log.debug(
+                "evicted prefix=%016x: %d of %d blocks left at %s",
+                follow_up.group,
+                held,
+                follow_up.blocks,
+                follow_up.endpoint,
+            )
+
     def _waiting_for(self, ep: Endpoint) -> bool:
         return any(w.home is ep for w in self._waiting)
 
@@ -371,6 +395,8 @@ class Gate:
         if ep is not waiter.home:
             self.deps.moved(waiter.decision, ep)
         held = time.monotonic() - waiter.since
+        if waiter.follow_up is not None:
+            self._found(waiter.follow_up, self.deps.lookup(waiter.decision.hashes))
         claim = self.claim(ep, waiter.decision, waiter.output)
         log.debug(
             "%s prefix=%016x after %.3fs -> %s (cost %.0f tokens there, %.0f at %s)",

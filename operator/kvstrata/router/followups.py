@@ -76,9 +76,9 @@ class FollowUps:
         return None
 
     def found(self, follow_up: FollowUp, held_blocks: int) -> None:
-        """A follow-up whose predecessor kept no room finds ``held_blocks`` of its prefix still on the
-        engine that predecessor ended on: fewer than it left there, and the group's turns evict each
-        other. (Follow-ups into a kept room teach nothing: the room kept their blocks.)"""
+        """A follow-up whose predecessor kept no room goes to an engine while ``held_blocks`` of its prefix
+        are still on the engine that predecessor ended on: fewer than it left there, and the group's
+        turns evict each other. (Follow-ups into a kept room teach nothing: the room kept their blocks.)"""
         self._learn(self._evicted, follow_up.group, held_blocks < follow_up.blocks)
 
     def expected(self, hashes: Sequence[int]) -> bool:

@@ -334,6 +334,35 @@ async def test_with_only_evicted_a_room_is_kept_only_for_turns_that_evict_each_o
     assert w.gate.reserved_blocks(w.eps[0]) == (7 if evicted else 0)
 
 
+@pytest.mark.parametrize("evicted", [False, True])
+async def test_a_held_follow_up_reports_what_is_left_of_its_blocks_when_it_goes(evicted: bool) -> None:
+    """The request admitted as a turn ends evicts that turn's blocks while the next turn waits for room:
+    the follow-up reports what its engine holds when it is granted, not what the index said when it
+    arrived (then the blocks were still there)."""
+    settings = AdmissionSettings(anticipate_seconds=5.0, anticipate_only_evicted=True)
+    w = World(10, settings=settings)
+    turn1 = hashes(1, 6)
+    first = await w.gate.admit(w.decision(turn1, 0), 0)
+    w.held["http://e0"].update(turn1)  # the engine reported the turn's blocks
+    cold = asyncio.ensure_future(w.gate.admit(w.decision(hashes(2, 8), 0), 0))
+    await asyncio.sleep(0.01)
+    w.gate.release(first.claim, ended=True)  # the cold request takes the room
+    cold_grant = await asyncio.wait_for(cold, 1)
+    turn2 = extend(turn1, 901)
+    arrived = w.decision(turn2, 0)
+    assert arrived.matches["http://e0"].gpu == 6  # at arrival the turn's blocks are all there
+    if evicted:
+        w.held["http://e0"].difference_update(turn1)  # the cold request's prefill evicts them
+    second = asyncio.ensure_future(w.gate.admit(arrived, 0))
+    await asyncio.sleep(0.01)
+    assert not second.done()  # 8 + 7 blocks: it waits for the cold request
+    w.gate.release(cold_grant.claim, ended=True)
+    grant = await asyncio.wait_for(second, 1)
+    assert grant.how is Admitted.QUEUED
+    w.gate.release(grant.claim, ended=True)
+    assert w.gate.reserved_blocks(w.eps[0]) == (7 if evicted else 0)
+
+
 @pytest.mark.parametrize("why", ["anticipation off (the default)", "the request failed", "never followed"])
 async def test_no_room_is_kept_without_anticipation_an_answer_or_a_follow_up_in_time(why: str) -> None:
     window = 0.05
