@@ -29,12 +29,10 @@ KVSTRATA_VARIANTS: dict[str, dict[str, str]] = {
     "no-admission": {"KVSTRATA_ROUTER_ADMISSION": '{"enabled": false}'},
     # The rent-or-buy move of a held request (off by default) as it was built.
     "wait-move": {"KVSTRATA_ROUTER_ADMISSION": '{"moveWhenHeldPastPrefill": true}'},
-    # Anticipation (off by default): an ended request's room kept 0.25 s for its follow-up.
-    "anticipate": {"KVSTRATA_ROUTER_ADMISSION": '{"anticipateSeconds": 0.25}'},
-    # ...kept only for prefix groups whose follow-ups found their blocks evicted (nineteenth session).
-    "anticipate-evicted": {
-        "KVSTRATA_ROUTER_ADMISSION": '{"anticipateSeconds": 0.25, "anticipateOnlyEvicted": true}'
-    },
+    # Anticipation keeping a room for every group followed in time (seventeenth session), and none at all:
+    # the default keeps one only for groups whose turns evict each other (anticipateOnlyEvicted).
+    "anticipate": {"KVSTRATA_ROUTER_ADMISSION": '{"anticipateSeconds": 0.25, "anticipateOnlyEvicted": false}'},
+    "no-anticipate": {"KVSTRATA_ROUTER_ADMISSION": '{"anticipateSeconds": 0}'},
     # The prefill scorer counting an uncached token once where the engine has room for the copy
     # (copyWithRoom, off by default; eighteenth session).
     "copy-with-room": {"KVSTRATA_ROUTER_COPY_WITH_ROOM": "true"},

@@ -204,12 +204,12 @@ def test_seed_lists_and_router_variants() -> None:
     assert settings("kvstrata/kv-aware@no-admission").admission.enabled is False
     assert settings("kvstrata/kv-aware@wait-move").admission.move_when_held_past_prefill is True
     assert settings("kvstrata/kv-aware").admission.move_when_held_past_prefill is False
-    assert settings("kvstrata/kv-aware@anticipate").admission.anticipate_seconds == 0.25
-    assert settings("kvstrata/kv-aware@anticipate").admission.move_when_held_past_prefill is False
-    assert settings("kvstrata/kv-aware").admission.anticipate_seconds == 0
-    evicted = settings("kvstrata/kv-aware@anticipate-evicted").admission
-    assert evicted.anticipate_seconds == 0.25 and evicted.anticipate_only_evicted
-    assert not settings("kvstrata/kv-aware@anticipate").admission.anticipate_only_evicted
+    every = settings("kvstrata/kv-aware@anticipate").admission
+    assert every.anticipate_seconds == 0.25 and not every.anticipate_only_evicted
+    assert every.move_when_held_past_prefill is False
+    default = settings("kvstrata/kv-aware").admission
+    assert default.anticipate_seconds == 0.25 and default.anticipate_only_evicted
+    assert settings("kvstrata/kv-aware@no-anticipate").admission.anticipate_seconds == 0
     for bad in ("kvstrata/kv-aware@nope", "sglang-router/cache_aware@no-admission"):
         with pytest.raises(BenchError, match="variant"):
             variant_env(bad)

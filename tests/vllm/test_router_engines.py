@@ -407,7 +407,11 @@ async def test_a_conversation_followed_at_once_finds_its_room_kept(stack: Stack)
     the previous one exactly as a chat's next turn would."""
     log = stack.log_dir / "router-anticipate.log"
     proc, url = await asyncio.to_thread(
-        start_router, stack.engines, stack.model_dir, log, {"ADMISSION": '{"anticipateSeconds": 2.0}'}
+        start_router,
+        stack.engines,
+        stack.model_dir,
+        log,
+        {"ADMISSION": '{"anticipateSeconds": 2.0, "anticipateOnlyEvicted": false}'},
     )
     rng = random.Random(11)
     prompt = [rng.randrange(100, 4000) for _ in range(12 * BLOCK)]

@@ -182,10 +182,12 @@ class AdmissionSettings(_Wire):
         description="Output tokens counted for a request that sets no max_tokens (its blocks grow as it "
         "decodes)",
     )
-    # Off: on held-out pressure draws it cost TTFT (mean 1.18x, then 1.07x after a fix) for at most
-    # +1.2 +- 0.7 points of hit rate (docs/benchmarks.md, seventeenth session).
+    # On, with anticipate_only_evicted: keeping a room for every group followed in time cost TTFT (mean
+    # 1.18x, then 1.07x) for at most +1.2 +- 0.7 points (seventeenth session); kept only for groups
+    # whose turns evict each other it passed its rule on 12 held-out pressure draws (+0.3 +- 0.9 points,
+    # mean 0.91x, p99 0.98x; nineteenth session, docs/benchmarks.md).
     anticipate_seconds: float = Field(
-        0.0,
+        0.25,
         ge=0,
         le=5,
         description="When a request ends and its prefix group's last requests were each followed within "
@@ -194,7 +196,7 @@ class AdmissionSettings(_Wire):
         "0: off",
     )
     anticipate_only_evicted: bool = Field(
-        False,
+        True,
         description="With anticipateSeconds: keep a room only for a prefix group whose follow-ups have "
         "lately found the blocks of the request they extend evicted from its engine (turns that evict "
         "each other); where nothing evicts them a kept room only holds other requests back",

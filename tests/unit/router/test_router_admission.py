@@ -294,7 +294,7 @@ async def test_an_ended_request_keeps_its_room_for_a_follow_up_that_comes_at_onc
     """Anticipation: a group whose requests are followed at once (a closed loop) keeps its room when one
     ends; the cold request held there waits for the follow-up, which goes first."""
     window = 0.2
-    w = World(10, settings=AdmissionSettings(anticipate_seconds=window))
+    w = World(10, settings=AdmissionSettings(anticipate_seconds=window, anticipate_only_evicted=False))
     turn1 = hashes(1, 6)
     first = await w.gate.admit(w.decision(turn1, 0), 0)
     w.gate.release(first.claim, ended=True)  # nothing learned yet: no reservation
@@ -363,10 +363,12 @@ async def test_a_held_follow_up_reports_what_is_left_of_its_blocks_when_it_goes(
     assert w.gate.reserved_blocks(w.eps[0]) == (7 if evicted else 0)
 
 
-@pytest.mark.parametrize("why", ["anticipation off (the default)", "the request failed", "never followed"])
+@pytest.mark.parametrize("why", ["anticipation off", "the request failed", "never followed"])
 async def test_no_room_is_kept_without_anticipation_an_answer_or_a_follow_up_in_time(why: str) -> None:
     window = 0.05
-    settings = AdmissionSettings(anticipate_seconds=0 if "off" in why else window)
+    settings = AdmissionSettings(
+        anticipate_seconds=0 if "off" in why else window, anticipate_only_evicted=False
+    )
     w = World(10, settings=settings)
     turn1 = hashes(1, 6)
     first = await w.gate.admit(w.decision(turn1, 0), 0)
@@ -418,7 +420,7 @@ def test_with_only_evicted_a_group_is_expected_back_once_its_follow_ups_find_the
 async def test_a_follow_up_is_not_held_back_by_the_room_kept_for_another_conversation() -> None:
     """Two conversations of one tenant end on a pool that holds one: each keeps its room, and each
     follow-up takes its own at once instead of waiting for the other's window to end."""
-    w = World(10, settings=AdmissionSettings(anticipate_seconds=5.0))
+    w = World(10, settings=AdmissionSettings(anticipate_seconds=5.0, anticipate_only_evicted=False))
     tenant = hashes(1, 3)
     convs = [extend(tenant, 10 + c, 20 + c, 30 + c) for c in range(2)]  # 6 blocks each, 3 shared
     running = []
