@@ -31,7 +31,9 @@ KVSTRATA_VARIANTS: dict[str, dict[str, str]] = {
     "wait-move": {"KVSTRATA_ROUTER_ADMISSION": '{"moveWhenHeldPastPrefill": true}'},
     # Anticipation keeping a room for every group followed in time (seventeenth session), and none at all:
     # the default keeps one only for groups whose turns evict each other (anticipateOnlyEvicted).
-    "anticipate": {"KVSTRATA_ROUTER_ADMISSION": '{"anticipateSeconds": 0.25, "anticipateOnlyEvicted": false}'},
+    "anticipate": {
+        "KVSTRATA_ROUTER_ADMISSION": '{"anticipateSeconds": 0.25, "anticipateOnlyEvicted": false}'
+    },
     "no-anticipate": {"KVSTRATA_ROUTER_ADMISSION": '{"anticipateSeconds": 0}'},
     # The prefill scorer counting an uncached token once where the engine has room for the copy
     # (copyWithRoom, off by default; eighteenth session).
