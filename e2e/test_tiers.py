@@ -35,7 +35,7 @@ import pytest
 from kvstrata.api.router_config import DEFAULT_HASH_ALGO, FS_JANITOR_PORT
 from kvstrata.controller.hitrate import HitRates
 from kvstrata.controller.promtext import parse_engine
-from kvstrata.engine.fsjanitor import BLOCK_SUFFIX, block_hash
+from kvstrata.engine.fsjanitor import block_hash, scan
 from kvstrata.render.objects import JANITOR_CONTAINER
 from kvstrata.router.hashing import block_hashes
 from kvstrata_dev.e2e import workload
@@ -272,7 +272,9 @@ def _prompt_hashes(url: str, model: str, text: str, block_size: int) -> list[int
 
 
 def _stored_hashes(root: Path) -> set[int]:
-    return {h for p in root.rglob(f"*{BLOCK_SUFFIX}") if (h := block_hash(str(p))) is not None}
+    """The hashes of the block files the janitor would see (its own scan: files vLLM renames mid-scan
+    are skipped)."""
+    return {h for f in scan(root) if f.evictable and (h := block_hash(f.path)) is not None}
 
 
 def _leading(hashes: list[int], stored: set[int]) -> int:

@@ -434,11 +434,9 @@ async def test_a_conversation_followed_at_once_finds_its_room_kept(stack: Stack)
         assert cached[2] >= previous_full_blocks * BLOCK, (cached, previous_full_blocks)
         assert {h["x-kvstrata-endpoint"] for _, h, _ in answers[1:]} == {answers[0][1]["x-kvstrata-endpoint"]}
         # The last turn's room is given back when its window ends unused.
-        state = await asyncio.to_thread(router_state, stack, url)
-        assert sum(ep["reservedBlocks"] for ep in state["endpoints"].values()) > 0, state["endpoints"]
+        assert await asyncio.to_thread(reserved_blocks, stack, url, wait_s=0) > 0
         await asyncio.sleep(2.5)
-        state = await asyncio.to_thread(router_state, stack, url)
-        assert all(ep["reservedBlocks"] == 0 for ep in state["endpoints"].values()), state["endpoints"]
+        assert await asyncio.to_thread(reserved_blocks, stack, url, wait_s=0) == 0
     finally:
         await asyncio.to_thread(stop_router, proc)
     assert "Traceback" not in log.read_text()

@@ -34,20 +34,13 @@ class FollowUp(NamedTuple):
     group: int
 
 
-class _Ended(NamedTuple):
-    group: int
-    at: float
-    endpoint: str
-    blocks: int
-
-
 class FollowUps:
     def __init__(self, window_s: float, *, only_evicted: bool = False) -> None:
         self.window_s = window_s
         self.only_evicted = only_evicted
-        # Ended requests, oldest first, by last full block hash. Block hashes are chained, so a request
-        # holding that hash at any position extends the ended one.
-        self._ended: OrderedDict[int, _Ended] = OrderedDict()
+        # Ended requests, oldest first, by last full block hash: what a follow-up would find, and when it
+        # ended. Block hashes are chained, so a request holding that hash at any position extends it.
+        self._ended: OrderedDict[int, tuple[FollowUp, float]] = OrderedDict()
         # Per group: how often its ended requests were followed in time, and how often a follow-up found
         # its blocks evicted (averages of 1s and 0s that weigh the last observations most).
         self._rate: OrderedDict[int, float] = OrderedDict()
@@ -58,21 +51,23 @@ class FollowUps:
         if not hashes:
             return
         self._expire(now)
-        self._ended[hashes[-1]] = _Ended(hashes[0], now, endpoint, len(hashes))
+        self._ended[hashes[-1]] = (FollowUp(hashes[-1], endpoint, len(hashes), hashes[0]), now)
         self._ended.move_to_end(hashes[-1])
         while len(self._ended) > _KEEP:
-            self._learn(self._rate, self._ended.popitem(last=False)[1].group, False)
+            self._learn(self._rate, self._ended.popitem(last=False)[1][0].group, False)
 
     def arrived(self, hashes: Sequence[int], now: float) -> FollowUp | None:
         """A request arrives: the request it extends when that one ended within the window (and the group
         learns that it was followed); else None."""
         self._expire(now)
+        if not self._ended:  # the common case off closed loops: no scan of the tail on the request path
+            return None
         n = len(hashes)
         for i in range(n - 1, max(n - 1 - _TAIL_BLOCKS, -1), -1):
             found = self._ended.pop(hashes[i], None)
             if found is not None:
-                self._learn(self._rate, found.group, True)
-                return FollowUp(hashes[i], found.endpoint, found.blocks, found.group)
+                self._learn(self._rate, found[0].group, True)
+                return found[0]
         return None
 
     def found(self, follow_up: FollowUp, held_blocks: int) -> None:
@@ -92,11 +87,11 @@ class FollowUps:
         """Ended requests not followed within the window teach their group that it was not."""
         while self._ended:
             last = next(iter(self._ended))
-            ended = self._ended[last]
-            if now - ended.at <= self.window_s:
+            follow_up, at = self._ended[last]
+            if now - at <= self.window_s:
                 break
             del self._ended[last]
-            self._learn(self._rate, ended.group, False)
+            self._learn(self._rate, follow_up.group, False)
 
     @staticmethod
     def _learn(rates: OrderedDict[int, float], group: int, seen: bool) -> None:
