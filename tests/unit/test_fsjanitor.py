@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 
@@ -123,10 +122,32 @@ def test_passes_come_sooner_as_the_tier_grows_faster_and_keep_room_for_one_pass(
     assert sleep_w == pytest.approx(sleep - 0.01) and reserve_w == pytest.approx(reserve, rel=0.01)
     # Faster still: never more often than MIN_INTERVAL_S, and the reserve grows with the rate instead.
     sleep, reserve = pacing(budget, 1e9, 1.0)
-    assert sleep == MIN_INTERVAL_S and reserve == math.ceil(1.5 * 1e9 * MIN_INTERVAL_S)
+    assert sleep == MIN_INTERVAL_S and reserve == pytest.approx(1.5 * 1e9 * MIN_INTERVAL_S, abs=1)
     # The marks then keep that growth free under the budget.
     one_pass = pacing(budget, 100e6, 1.0)[1]
     d = choose_victims(
         [f(str(i), 1 << 20, i) for i in range(58)], budget_bytes=budget, reserve_bytes=one_pass
     )
     assert d.victims and d.after_bytes + one_pass <= budget
+
+
+def test_passes_that_wake_late_keep_room_for_their_lateness_and_forget_it_slowly() -> None:
+    from kvstrata.engine.fsjanitor import LATE_DECAY, lateness, pacing
+
+    budget = 60 << 20
+    on_time = pacing(budget, 100e6, 1.0)
+    # A pass 0.1 s late at 100 MB/s: 10 MB more is kept free, the sleep is the same.
+    late = pacing(budget, 100e6, 1.0, late_s=0.1)
+    assert late[0] == on_time[0] and late[1] - on_time[1] == pytest.approx(10e6, abs=1)
+    # Lateness is what a sleep took beyond what it asked for; never negative.
+    assert lateness(0.0, 0.05, 0.15) == pytest.approx(0.1)
+    assert lateness(0.0, 0.05, 0.04) == 0.0
+    # One stall is remembered over the passes after it, shrinking, and a larger one replaces it.
+    remembered = lateness(0.1, 0.05, 0.05)
+    assert remembered == pytest.approx(0.1 * LATE_DECAY)
+    assert lateness(remembered, 0.05, 0.35) == pytest.approx(0.3)
+    # A calm machine gets the room back: after a few hundred passes on time, nothing is kept for it.
+    seen = 0.3
+    for _ in range(400):
+        seen = lateness(seen, 0.05, 0.05)
+    assert seen < 0.001

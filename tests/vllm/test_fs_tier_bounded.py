@@ -23,16 +23,18 @@ from pathlib import Path
 import pytest
 from test_cpu_offload_tiers import REPO, prompt, tiered_engine
 
-from kvstrata.engine.fsjanitor import scan
 from kvstrata_dev.testing.engines import VllmEngine, free_port, wait_http
 
 PVC_BYTES = 40 << 20
 BUDGET = 24 << 20
 # A polling janitor bounds the directory only if less than the budget is written between two passes. The
-# engine here writes its fs tier at ~100 MB/s (5 MB per 50 ms, sampled on 2026-11-25), so at 0.2 s a pass
-# came 20-26 MB after the last and the budget was overrun by up to 1 MiB. In a pod the interval is 1 s
-# against budgets of gigabytes.
-JANITOR_INTERVAL_S = 0.05
+# engine here writes its fs tier at ~100 MB/s (5 MB per 50 ms, sampled on 2026-11-25 and 2026-11-26), so at
+# 0.2 s a pass came 20-26 MB after the last and the budget was overrun by up to 1 MiB; at 0.05 s a
+# clean-clone CI run on another machine filled the 40 MiB PVC (a faster engine or a late pass: the log does
+# not say which; 3 busy loops next to the engine did not reproduce it here). The janitor now paces itself
+# down to 10 ms and keeps room for late passes; this is the interval before it has seen any growth. In a
+# pod the interval is 1 s against budgets of gigabytes.
+JANITOR_INTERVAL_S = 0.02
 
 
 @pytest.fixture(scope="module")
@@ -63,16 +65,26 @@ def metric(text: str, name: str) -> float:
 
 
 class Sampler(threading.Thread):
-    """Bytes in the directory, every 50 ms, while the workload runs."""
+    """Bytes used on the "PVC", every 50 ms, while the workload runs.
+
+    Read from statfs, one consistent figure: a walk summing file sizes took up to 0.12 s on a busy
+    machine, and files written late in a walk add to files counted early that were evicted since."""
 
     def __init__(self, root: Path) -> None:
         super().__init__(daemon=True)
-        self.root, self.samples, self.stop = root, [0], threading.Event()
+        self.root, self.stop = root, threading.Event()
+        self.samples: list[tuple[float, int]] = [(time.monotonic(), 0)]
 
     def run(self) -> None:
         while not self.stop.is_set():
-            self.samples.append(sum(f.size for f in scan(self.root)))
+            self.samples.append((time.monotonic(), shutil.disk_usage(self.root).used))
             time.sleep(0.05)
+
+    def around_peak(self) -> str:
+        """The samples either side of the largest, as (seconds, MiB): what the failure looked like."""
+        i = max(range(len(self.samples)), key=lambda k: self.samples[k][1])
+        t0 = self.samples[0][0]
+        return ", ".join(f"{t - t0:.2f}s {b / 2**20:.1f}" for t, b in self.samples[max(0, i - 6) : i + 3])
 
 
 def test_janitor_keeps_the_budget_then_a_full_pvc_does_not_crash_the_engine(
@@ -90,9 +102,14 @@ def test_janitor_keeps_the_budget_then_a_full_pvc_does_not_crash_the_engine(
                 str(JANITOR_INTERVAL_S),
                 "--metrics-port",
                 str(port),
+                "--verbose",
             ),
         ],
         env={**os.environ, "PYTHONPATH": str(REPO / "operator")},
+        # In a pod the janitor's CPU is its own (a request of its own, next to an engine that computes on
+        # a GPU); here a CPU engine's OpenMP threads share both cores with it. A higher priority (the test
+        # is root already, for the mount) stands in for that CPU.
+        preexec_fn=lambda: os.nice(-10),
         stdout=open(tmp_path / "janitor.log", "wb"),  # noqa: SIM115 - the child owns it
         stderr=subprocess.STDOUT,
     )
@@ -116,9 +133,12 @@ def test_janitor_keeps_the_budget_then_a_full_pvc_does_not_crash_the_engine(
         janitor.terminate()
         janitor.wait(timeout=10)
     evicted = metric(text, "kvstrata_fs_tier_evicted_bytes_total")
-    peak = max(sampler.samples)
+    peak = max(b for _, b in sampler.samples)
     assert evicted > BUDGET, f"the workload did not run past the budget: evicted {evicted}"
-    assert peak <= BUDGET, f"the fs tier reached {peak} bytes, over its {BUDGET}-byte budget"
+    assert peak <= BUDGET, (
+        f"the fs tier reached {peak} bytes, over its {BUDGET}-byte budget: {sampler.around_peak()}; "
+        f"janitor: {(tmp_path / 'janitor.log').read_text()[-2000:]}"
+    )
     assert metric(text, "kvstrata_fs_tier_used_bytes") <= BUDGET
 
     # Janitor gone: the tier fills the "PVC" and writes fail with ENOSPC; the engine serves on.
