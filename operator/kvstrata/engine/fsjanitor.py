@@ -131,8 +131,8 @@ def pacing(
     fastest growth rate seen (bytes/s) rises: one period (the sleep plus a pass's own ``work_s``) grows
     the tier by at most a tenth of the budget, and half as much again is kept free. A pass can also wake
     later than it asked, on a machine whose cores the engine keeps busy: ``late_s``, the lateness seen
-    lately, is kept free on top (half a period alone was not enough: a clean-clone CI run on 2 shared
-    cores filled a 40 MiB PVC past a 24 MiB budget). Pure: no I/O."""
+    lately, is kept free on top: half a period's growth covers only a pass late by half a period.
+    Pure: no I/O."""
     if max_rate <= 0:
         return interval_s, 0
     sleep = min(interval_s, max(MIN_INTERVAL_S, PASS_GROWTH_SHARE * budget_bytes / max_rate - work_s))
