@@ -17,7 +17,9 @@ recent pace: its extra prefill, and the prefill of the cached blocks that evicts
 family draw 15, where 12 of 32 requests were held 3.4 s in all for their home while a third engine sat
 idle). It is off: on held-out pressure draws it cost 1.7 hit points and 6 % of mean TTFT (3.6 points
 without the eviction term). Nothing is held longer than ``maxHoldSeconds``: then it goes to its engine's
-own queue, as it would have without the gate.
+own queue, as it would have without the gate. Cheapest-first alone starves a long cold prompt while
+cheaper follow-ups keep coming, so with ``overdueAfterPrefills`` a request that has waited that many
+times its own prefill there goes before cheaper ones, oldest first (*overdue*).
 
 With ``anticipateSeconds`` (router/followups.py) a request that ends keeps its blocks' room on its engine
 for that long when its prefix group's requests are usually followed at once (agents, closed loops): a
@@ -71,6 +73,7 @@ class Admitted(StrEnum):
     STOLEN = "stolen"  # held, then sent to another engine with room that holds as much of its prompt
     MOVED = "moved"  # held as long as moving would cost, then sent to another engine with room
     RESERVED = "reserved"  # the request it extends had just ended there and kept its room for it
+    OVERDUE = "overdue"  # held as long as its own prefill takes there, then sent before cheaper ones
     EXPIRED = "expired"  # held maxHoldSeconds, then sent to its engine's own queue
     UNGATED = "ungated"  # not held: gate off, size or pool unknown, or not a routed request
 
@@ -442,6 +445,24 @@ class Gate:
         prefill_s = ep.pace.seconds_for(extra_tokens + max(new_blocks - free, 0) * bs)
         return math.inf if prefill_s is None else w.since + prefill_s
 
+    def _overdue(self, w: _Waiter, now: float) -> bool:
+        """Whether held ``w`` has waited ``overdueAfterPrefills`` times its own prefill at its home, at
+        that engine's recent pace (never before a pace is known). Cheapest-first alone starves a long
+        cold prompt for as long as cheaper follow-ups keep coming (family draw 251: held 4.4 s behind
+        another tenant's turns); bounding each wait by the request's own prefill bounds its slowdown."""
+        factor = self.settings.overdue_after_prefills
+        if factor <= 0:
+            return False
+        prefill_s = w.home.pace.seconds_for(w.keys.get(w.home.url, math.inf))
+        return prefill_s is not None and now - w.since >= factor * prefill_s
+
+    def _next_of_own(self, ep: Endpoint, mine: list[_Waiter], now: float) -> tuple[_Waiter, Admitted]:
+        """Which of the requests held for ``ep`` goes when room frees there: the oldest overdue one,
+        else the cheapest (oldest among equals)."""
+        if overdue := [w for w in mine if self._overdue(w, now)]:
+            return min(overdue, key=lambda w: w.since), Admitted.OVERDUE
+        return min(mine, key=lambda w: (w.keys.get(ep.url, math.inf), w.since)), Admitted.QUEUED
+
     def pump(self) -> None:
         """Send held requests where there is room: each engine its cheapest waiter (its own first,
         then one that may move there: see :meth:`_may_move`), until nothing more fits."""
@@ -464,9 +485,12 @@ class Gate:
             for ep in usable:
                 mine = [w for w in self._waiting if w.home is ep]
                 if mine:
-                    best = min(mine, key=lambda w: (w.keys.get(ep.url, math.inf), w.since))
-                    if self.fits(ep, best.claim_blocks, best.decision.hashes):
-                        self._grant(best, ep, Admitted.QUEUED)
+                    nxt, turn = self._next_of_own(ep, mine, now)
+                    # An overdue request takes a room kept for a follow-up: else a conversation whose
+                    # turns keep rooms holds it back turn after turn.
+                    kept = turn is not Admitted.OVERDUE
+                    if self.fits(ep, nxt.claim_blocks, nxt.decision.hashes, kept=kept):
+                        self._grant(nxt, ep, turn)
                         progress = True
                     continue
                 # No request of its own waits: take the cheapest one that may move here.

@@ -118,6 +118,63 @@ async def test_when_room_frees_the_cached_prompt_goes_before_an_older_cold_one()
     assert (await asyncio.wait_for(cold, 1)).how is Admitted.QUEUED
 
 
+async def test_a_cold_prompt_held_as_long_as_its_own_prefill_goes_before_cheaper_ones() -> None:
+    """Overdue: cheapest-first would keep the cold prompt waiting for as long as warm follow-ups came;
+    once it has waited as long as its prefill takes at the engine's pace, it goes first."""
+    w = World(10, settings=AdmissionSettings(overdue_after_prefills=1.0, anticipate_seconds=0))
+    w.eps[0].pace.observe(BS, BS * 0.002)  # 2 ms a token: 8 cold blocks 512 ms, one new block 64 ms
+    running = await w.gate.admit(w.decision(hashes(1, 8), 0), 0)
+    cold = asyncio.ensure_future(w.gate.admit(w.decision(hashes(2, 8), 0), 0))
+    w.held["http://e0"].update(hashes(3, 8))  # the engine holds the follow-ups' prefix
+    await asyncio.sleep(0.01)
+    warm = asyncio.ensure_future(w.gate.admit(w.decision(extend(hashes(3, 8), 1), 0), 0))
+    await asyncio.sleep(0.01)
+    w.gate.release(running.claim)  # neither has waited its own prefill: the cheaper one goes
+    first = await asyncio.wait_for(warm, 1)
+    assert first.how is Admitted.QUEUED and not cold.done()
+    later = asyncio.ensure_future(w.gate.admit(w.decision(extend(hashes(3, 8), 2), 0), 0))
+    await asyncio.sleep(0.55)  # past the cold prompt's own prefill
+    w.gate.release(first.claim)
+    grant = await asyncio.wait_for(cold, 1)
+    assert grant.how is Admitted.OVERDUE and grant.endpoint is w.eps[0] and not later.done()
+    w.gate.release(grant.claim)
+    assert (await asyncio.wait_for(later, 1)).how is Admitted.OVERDUE  # it waited past its 64 ms too
+
+
+async def test_without_a_pace_or_with_the_factor_at_zero_the_cheapest_still_goes_first() -> None:
+    for factor, paced in ((1.0, False), (0.0, True)):
+        w = World(10, settings=AdmissionSettings(overdue_after_prefills=factor, anticipate_seconds=0))
+        if paced:
+            w.eps[0].pace.observe(BS, BS * 0.00001)
+        running = await w.gate.admit(w.decision(hashes(1, 8), 0), 0)
+        cold = asyncio.ensure_future(w.gate.admit(w.decision(hashes(2, 8), 0), 0))
+        w.held["http://e0"].update(hashes(3, 8))
+        await asyncio.sleep(0.03)
+        warm = asyncio.ensure_future(w.gate.admit(w.decision(extend(hashes(3, 8), 1), 0), 0))
+        await asyncio.sleep(0.01)
+        w.gate.release(running.claim)
+        assert (await asyncio.wait_for(warm, 1)).how is Admitted.QUEUED and not cold.done(), factor
+        cold.cancel()
+
+
+async def test_an_overdue_request_takes_a_room_kept_for_a_follow_up() -> None:
+    window = 2.0
+    settings = AdmissionSettings(
+        anticipate_seconds=window, anticipate_only_evicted=False, overdue_after_prefills=1.0
+    )
+    w = World(10, settings=settings)
+    w.eps[0].pace.observe(BS, BS * 0.0001)  # 8 cold blocks: 26 ms of prefill
+    turn1 = hashes(1, 6)
+    first = await w.gate.admit(w.decision(turn1, 0), 0)
+    w.gate.release(first.claim, ended=True)
+    second = await w.gate.admit(w.decision(extend(turn1, 901), 0), 0)  # followed at once: expected
+    cold = asyncio.ensure_future(w.gate.admit(w.decision(hashes(2, 8), 0), 0))
+    await asyncio.sleep(0.05)  # overdue by now
+    w.gate.release(second.claim, ended=True)  # its room would be kept for 2 s
+    grant = await asyncio.wait_for(cold, 0.5)
+    assert grant.how is Admitted.OVERDUE and grant.held_s < window
+
+
 async def test_equal_costs_go_first_come_first_served() -> None:
     w = World(10)
     running = await w.gate.admit(w.decision(hashes(1, 8), 0), 0)
