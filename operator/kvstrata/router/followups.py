@@ -60,7 +60,7 @@ class FollowUps:
         """A request arrives: the request it extends when that one ended within the window (and the group
         learns that it was followed); else None."""
         self._expire(now)
-        if not self._ended:  # the common case off closed loops: no scan of the tail on the request path
+        if not self._ended:  # the common case of closed loops: no scan of the tail on the request path
             return None
         n = len(hashes)
         for i in range(n - 1, max(n - 1 - _TAIL_BLOCKS, -1), -1):
