@@ -38,8 +38,9 @@ KVSTRATA_VARIANTS: dict[str, dict[str, str]] = {
     # The prefill scorer counting an uncached token once where the engine has room for the copy
     # (copyWithRoom, off by default; eighteenth session).
     "copy-with-room": {"KVSTRATA_ROUTER_COPY_WITH_ROOM": "true"},
-    # Cheapest-first alone, no wait bounded by the request's own prefill (before the twenty-first session).
-    "no-overdue": {"KVSTRATA_ROUTER_ADMISSION": '{"overdueAfterPrefills": 0}'},
+    # A held request's wait bounded by its own prefill (overdueAfterPrefills, off by default) as it was
+    # built and measured (twenty-first session).
+    "overdue": {"KVSTRATA_ROUTER_ADMISSION": '{"overdueAfterPrefills": 1.0}'},
     # The share bound (off by default) at the factor it was built with.
     "share-bound": {"KVSTRATA_ROUTER_SHARE_BOUND_FACTOR": "1.3"},
 }

@@ -201,10 +201,11 @@ class AdmissionSettings(_Wire):
         "lately found the blocks of the request they extend evicted from its engine (turns that evict "
         "each other); where nothing evicts them a kept room only holds other requests back",
     )
-    # Cheapest-first starves a long cold prompt while cheaper follow-ups keep arriving (family draw 251:
-    # held 4.4 s, p99 1.8x vllm-router's at 0.64x its mean); the textbook bound on shortest-first.
+    # Off: built for family draw 251 (a cold prompt held 4.4 s behind other tenants' cheaper turns), it
+    # failed its rule on 12 held-out pressure draws: on - off hit -0.9 +- 1.2 points, TTFT mean 1.09x,
+    # p99 1.14x (twenty-first session, docs/benchmarks.md).
     overdue_after_prefills: float = Field(
-        1.0,
+        0.0,
         ge=0,
         description="A held request that has waited this many times its own prefill at its engine (its "
         "uncached tokens at the engine's recent pace) goes before cheaper ones, oldest first, and may "

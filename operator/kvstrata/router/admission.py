@@ -18,8 +18,9 @@ family draw 15, where 12 of 32 requests were held 3.4 s in all for their home wh
 idle). It is off: on held-out pressure draws it cost 1.7 hit points and 6 % of mean TTFT (3.6 points
 without the eviction term). Nothing is held longer than ``maxHoldSeconds``: then it goes to its engine's
 own queue, as it would have without the gate. Cheapest-first alone starves a long cold prompt while
-cheaper follow-ups keep coming, so with ``overdueAfterPrefills`` a request that has waited that many
-times its own prefill there goes before cheaper ones, oldest first (*overdue*).
+cheaper follow-ups keep coming; with ``overdueAfterPrefills`` (off by default: on held-out pressure
+draws it cost hit rate and TTFT) a request that has waited that many times its own prefill there goes
+before cheaper ones, oldest first (*overdue*).
 
 With ``anticipateSeconds`` (router/followups.py) a request that ends keeps its blocks' room on its engine
 for that long when its prefix group's requests are usually followed at once (agents, closed loops): a
