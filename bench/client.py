@@ -30,6 +30,22 @@ class Result:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
 
+    @property
+    def ttft_ms(self) -> float | None:
+        return None if self.ttft_s is None else round(self.ttft_s * 1000, 1)
+
+    def record(self) -> dict[str, Any]:
+        """This request in a benchmark's JSON: which one it was, when it went, what it waited and found."""
+        return {
+            "cid": self.cid,
+            "turn": self.turn,
+            "start_s": round(self.start_s, 3),
+            "ttft_ms": self.ttft_ms,
+            "ok": self.ok,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+        }
+
 
 @dataclass(frozen=True)
 class Scripted:

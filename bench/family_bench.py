@@ -239,19 +239,7 @@ def _row(name: str, rnd: _Round | dict[str, Any], metrics: Path, p: Prepared) ->
         "router_cpu_s": round(rnd.router_cpu_s, 2),
         # Every request, in the order sent: a draw's p99 is its slowest one or two, and which request
         # that was (a conversation's first turn, a follow-up, when in the run) is what explains it.
-        "per_request": [_request_record(r) for r in sorted(rnd.results, key=lambda r: r.start_s)],
-    }
-
-
-def _request_record(r: Result) -> dict[str, Any]:
-    return {
-        "cid": r.cid,
-        "turn": r.turn,
-        "start_s": round(r.start_s, 3),
-        "ttft_ms": None if r.ttft_s is None else round(r.ttft_s * 1000, 1),
-        "ok": r.ok,
-        "prompt_tokens": r.prompt_tokens,
-        "cached_tokens": r.cached_tokens,
+        "per_request": [r.record() for r in sorted(rnd.results, key=lambda r: r.start_s)],
     }
 
 

@@ -327,7 +327,7 @@ def _summarize(name: str, rounds: list[_Round]) -> dict[str, Any]:
         "ttft_ms_p99_by_round": [percentile(_ttft_ms(rnd), 99) for rnd in rounds],
         # Every request, to compare routers request by request: [round, conversation, turn, sent s, TTFT ms].
         "requests_detail": [
-            [i, r.cid, r.turn, round(r.start_s, 3), None if r.ttft_s is None else round(r.ttft_s * 1000, 1)]
+            [i, r.cid, r.turn, round(r.start_s, 3), r.ttft_ms]
             for i, rnd in enumerate(rounds)
             for r in rnd.results
         ],
