@@ -281,7 +281,11 @@ class RouterSettings(_Wire):
     )
     max_index_blocks: int = Field(2_000_000, gt=0, description="Bound on indexed (endpoint, block) entries")
     max_retries: int = Field(
-        2, ge=0, description="Other endpoints tried on connect error/5xx before first byte"
+        2,
+        ge=0,
+        description="Other endpoints a request is sent to after a failure before its first byte (5xx, "
+        "dropped connection, first-byte timeout). Tries that never reached an engine (connect refused or "
+        "timed out) are not counted",
     )
     upstream_timeout_seconds: float = Field(600.0, gt=0)
     connect_timeout_seconds: float = Field(3.0, gt=0)

@@ -27,6 +27,11 @@ class FailureKind(StrEnum):
     SCRAPE_TIMEOUT = "scrape_timeout"
 
 
+# The engine never had the request (no connection was made): trying elsewhere duplicates no work and
+# cannot spread a request that breaks engines, so these tries are not counted against maxRetries.
+UNSENT: frozenset[FailureKind] = frozenset({FailureKind.CONNECT_ERROR, FailureKind.CONNECT_TIMEOUT})
+
+
 class Outcome(StrEnum):
     """The ``outcome`` label of ``kvstrata_router_requests_total`` (one per attempt)."""
 

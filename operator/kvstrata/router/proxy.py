@@ -16,6 +16,9 @@ Failover rules:
   dropped connection, 5xx, ejection) → the next-best endpoint (at most ``max_retries`` more); a
   non-streaming response is read whole before it is sent, so a failure while reading it is still
   "before the first byte";
+- a try that never reached its engine (connect refused or timed out) is not counted: when every
+  endpoint left failed to connect, those in rotation and not known down get another round after a
+  back-off, within ``upstreamTimeoutSeconds``;
 - once a stream has started, never replay: the client gets an SSE error event and the stream ends;
 - a client that disconnects cancels the handler (``handler_cancellation``), which closes the
   upstream connection, which makes vLLM abort the request.
@@ -41,7 +44,15 @@ from kvstrata.router.admission import Claim, Grant
 from kvstrata.router.bodies import read_body
 from kvstrata.router.core import Decision, NoEndpoints, Router
 from kvstrata.router.errors import json_error, sse_error
-from kvstrata.router.outcomes import ENGINE_FAULTS, Answered, AttemptResult, Failed, FailureKind, Outcome
+from kvstrata.router.outcomes import (
+    ENGINE_FAULTS,
+    UNSENT,
+    Answered,
+    AttemptResult,
+    Failed,
+    FailureKind,
+    Outcome,
+)
 from kvstrata.router.outlier import AllEjected
 from kvstrata.router.patience import last_try_patience
 from kvstrata.router.pool import Endpoint, PrefillTicket
@@ -73,6 +84,10 @@ _REQ_DROP = _HOP_BY_HOP | {"accept-encoding"}
 # The upstream session does not decompress, so content-encoding travels with the untouched body.
 _RESP_DROP = _HOP_BY_HOP | {"date", "server"}
 _RETRYABLE_STATUS = 500
+# Between rounds over the engines when all failed to connect: Envoy's retry back-off (25 ms base), doubled
+# per round up to a second.
+_ROUND_BACKOFF_S = 0.025
+_ROUND_BACKOFF_MAX_S = 1.0
 # Bodies up to this size are parsed on the event loop (msgspec: about 1 ms per MB, and it holds the GIL
 # in a thread just the same); larger ones in a thread, so that checking a million token ids or sizing a
 # long conversation (Python loops, which yield the GIL) does not hold other requests up.
@@ -227,32 +242,60 @@ class Proxy:
 
     async def _tries(self, call: _Call) -> web.StreamResponse:
         decision = call.decision
-        tries = self.settings.max_retries + 1
+        budget = self.settings.max_retries + 1  # tries the engines received; UNSENT ones are free
+        give_up = time.monotonic() + self.settings.upstream_timeout_seconds
         first = call.grant.endpoint
         left = [first, *(ep for ep in decision.order if ep is not first)]
+        tried: set[str] = set()
         last: Failed | None = None
-        while left and call.tries < tries:
+        sent = rounds = 0
+        while sent < budget:
             if last is not None:
                 left = self.router.retry_order(decision, left)
+                if not left and last.kind in UNSENT:
+                    rounds += 1
+                    left = await self._another_round(decision, rounds, give_up)
                 if not left:
                     break
                 self.metrics.retries.labels(last.kind.value).inc()
             ep = left.pop(0)
             # Last: no try left, or no endpoint left in rotation to retry on.
-            is_last = call.tries + 1 == tries or all(self.outlier.ejected(later) for later in left)
+            is_last = sent + 1 == budget or all(self.outlier.ejected(later) for later in left)
             # A stream waits past its first-byte timeout when moving on could only reach engines that are
             # out or silent (wedged but not yet ejected): patience.py.
             patient = call.stream and (is_last or not self._any_live(left))
             result = await self._attempt(call, ep, is_last, patient)
             if isinstance(result, Answered):
                 return result.response
+            tried.add(ep.url)
             last = result
+            if result.kind not in UNSENT:
+                sent += 1
+            log.info("try %d on %s failed: %s: %s", call.tries, ep.url, result.kind, result.detail)
         assert last is not None  # a decision names at least one endpoint, and one try is always made
         return json_error(
             502,
-            f"all {call.tries} endpoint(s) failed; last error: {last.kind}: {last.detail}",
+            f"{call.tries} tries on {len(tried)} endpoint(s) failed; last error: {last.kind}: {last.detail}",
             code="upstream_failed",
         )
+
+    async def _another_round(self, decision: Decision, round_no: int, give_up: float) -> list[Endpoint]:
+        """The endpoints to try again once every one left failed to connect: those in rotation and not
+        known down (a refused connection marks an engine down; a connect timeout does not: its accept
+        queue was full, or this router was stalled on a loaded machine), after a backoff.
+
+        The engine never had the request, so it is not given up while an engine may still take it
+        (seen in CI: one engine killed, one ejected, and the third's connect timed out once under load;
+        three accepted requests got a 502 with a live engine in rotation)."""
+        pause = min(_ROUND_BACKOFF_S * 2 ** (round_no - 1), _ROUND_BACKOFF_MAX_S)
+        if time.monotonic() + pause >= give_up:
+            return []
+        await asyncio.sleep(pause)
+        try:
+            eps = self.router.candidates()
+        except AllEjected:
+            return []
+        return self.router.retry_order(decision, [ep for ep in eps if ep.healthy])
 
     def _decision_headers(self, call: _Call, ep: Endpoint, t0: float) -> dict[str, str]:
         """The decision and its cost: tries, and the answering engine's time to the first byte

@@ -88,13 +88,18 @@ class Fake:
             resp.set_cookie("engine_session", "secret")
         return resp
 
-    async def start(self) -> Fake:
+    async def start(self, sock: socket.socket | None = None) -> Fake:
+        """Serve on a free port, or on ``sock`` (a listening socket made earlier)."""
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self.handle)
         self.runner = web.AppRunner(app, handler_cancellation=True)
         await self.runner.setup()
-        port = free_port()
-        await web.TCPSite(self.runner, "127.0.0.1", port).start()
+        if sock is None:
+            port = free_port()
+            await web.TCPSite(self.runner, "127.0.0.1", port).start()
+        else:
+            port = sock.getsockname()[1]
+            await web.SockSite(self.runner, sock).start()
         self.url = f"http://127.0.0.1:{port}"
         return self
 
@@ -232,13 +237,66 @@ async def test_dropped_connection_before_response_is_retried(
     assert (status, headers["x-kvstrata-endpoint"]) == (200, good.url)
 
 
-async def test_retries_are_bounded(make_router: RouterFactory) -> None:
-    dead = [f"http://127.0.0.1:{free_port()}" for _ in range(3)]
-    h = await make_router(dead, maxRetries=1)
+async def test_retries_are_bounded(make_router: RouterFactory, fakes: Callable[..., Any]) -> None:
+    drops = await fakes("drop", "drop", "drop")
+    h = await make_router([f.url for f in drops], maxRetries=1)
     status, _, body = await h.post("/v1/completions", completion())
     assert status == 502
     err = json.loads(body)["error"]
-    assert err["code"] == "upstream_failed" and "all 2 endpoint(s) failed" in err["message"]
+    assert err["code"] == "upstream_failed" and err["message"].startswith("2 tries on 2 endpoint(s) failed")
+    assert sorted(len(f.bodies) for f in drops) == [0, 1, 1]  # the third engine never had it
+
+
+async def test_refused_connections_are_not_counted_as_tries(
+    make_router: RouterFactory, fakes: Callable[..., Any]
+) -> None:
+    """The engine never had the request: with no retries allowed, a refused connection still moves it on."""
+    (good,) = await fakes("ok")
+    dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    h = await make_router([*dead, good.url], maxRetries=0)
+    h.prefer(dead[0])
+    status, headers, _ = await h.post("/v1/completions", completion())
+    assert (status, headers["x-kvstrata-endpoint"]) == (200, good.url)
+    assert int(headers["x-kvstrata-attempts"]) >= 2
+    # Every engine refusing: each is tried once (a refusal marks it down), then a 502 at once.
+    h2 = await make_router(dead, maxRetries=0)
+    status, _, body = await h2.post("/v1/completions", completion())
+    err = json.loads(body)["error"]
+    assert status == 502 and err["message"].startswith("2 tries on 2 endpoint(s) failed"), err
+
+
+async def test_connect_timeouts_everywhere_get_another_round(
+    make_router: RouterFactory, fakes: Callable[..., Any]
+) -> None:
+    """One engine dead, the other's accept queue full (its connect times out, as a swamped engine's
+    does): the request is not answered 502 with that engine still in rotation; it gets another round
+    and is served once the engine accepts again."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    full = socket.socket()
+    full.bind(("127.0.0.1", 0))
+    full.listen(0)
+    filler = socket.create_connection(full.getsockname())  # the queue holds one: the next SYN is dropped
+    full_url = f"http://127.0.0.1:{full.getsockname()[1]}"
+    h = await make_router([dead, full_url], connectTimeoutSeconds=0.2, ejectionConsecutiveFailures=100)
+    router = h.svc.router
+    assert router is not None
+    h.prefer(dead)
+    sent = asyncio.create_task(h.post("/v1/completions", completion()))
+    ep = router.pool.get(full_url)
+    assert ep is not None
+    while router.outlier.state(ep).consecutive < 1:  # its connect timed out once
+        await asyncio.sleep(0.01)
+    server = Fake("ok")
+    await server.start(full)
+    try:
+        filler.close()
+        status, headers, _ = await asyncio.wait_for(sent, 30)
+        assert (status, headers["x-kvstrata-endpoint"]) == (200, full_url)
+        assert int(headers["x-kvstrata-attempts"]) >= 3  # dead, full (timed out), full again
+        assert len(server.bodies) == 1
+    finally:
+        assert server.runner is not None
+        await server.runner.cleanup()
 
 
 async def test_stream_that_started_is_never_replayed(
