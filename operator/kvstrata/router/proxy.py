@@ -16,9 +16,9 @@ Failover rules:
   dropped connection, 5xx, ejection) → the next-best endpoint (at most ``max_retries`` more); a
   non-streaming response is read whole before it is sent, so a failure while reading it is still
   "before the first byte";
-- a try that never reached its engine (connect refused or timed out) is not counted: when every
-  endpoint left failed to connect, those in rotation and not known down get another round after a
-  back-off, within ``upstreamTimeoutSeconds``;
+- a try that never reached its engine (connect refused or timed out) is not counted; when every
+  endpoint was tried and tries are left, those in rotation and not known down get another round after
+  a back-off, within ``upstreamTimeoutSeconds``;
 - once a stream has started, never replay: the client gets an SSE error event and the stream ends;
 - a client that disconnects cancels the handler (``handler_cancellation``), which closes the
   upstream connection, which makes vLLM abort the request.
@@ -252,7 +252,7 @@ class Proxy:
         while sent < budget:
             if last is not None:
                 left = self.router.retry_order(decision, left)
-                if not left and last.kind in UNSENT:
+                if not left:  # every engine was tried, and tries are left: those still usable again
                     rounds += 1
                     left = await self._another_round(decision, rounds, give_up)
                 if not left:
@@ -275,18 +275,19 @@ class Proxy:
         assert last is not None  # a decision names at least one endpoint, and one try is always made
         return json_error(
             502,
-            f"{call.tries} tries on {len(tried)} endpoint(s) failed; last error: {last.kind}: {last.detail}",
+            f"{call.tries} {'try' if call.tries == 1 else 'tries'} on {len(tried)} endpoint(s) failed; "
+            f"last error: {last.kind}: {last.detail}",
             code="upstream_failed",
         )
 
     async def _another_round(self, decision: Decision, round_no: int, give_up: float) -> list[Endpoint]:
-        """The endpoints to try again once every one left failed to connect: those in rotation and not
-        known down (a refused connection marks an engine down; a connect timeout does not: its accept
-        queue was full, or this router was stalled on a loaded machine), after a backoff.
+        """The endpoints to try again once every one was tried and tries are left (connect failures
+        cost none): those in rotation and not known down (a refused connection marks an engine down;
+        a connect timeout does not: its accept queue was full, or this router was stalled on a loaded
+        machine), after a back-off.
 
-        The engine never had the request, so it is not given up while an engine may still take it
-        (seen in CI: one engine killed, one ejected, and the third's connect timed out once under load;
-        three accepted requests got a 502 with a live engine in rotation)."""
+        Seen in CI: one engine killed, one ejected, and three accepted requests got a 502 with the
+        third engine live and in rotation."""
         pause = min(_ROUND_BACKOFF_S * 2 ** (round_no - 1), _ROUND_BACKOFF_MAX_S)
         if time.monotonic() + pause >= give_up:
             return []

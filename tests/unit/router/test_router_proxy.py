@@ -49,7 +49,8 @@ class Fake:
             return web.json_response({"tokens": list(range(100)), "count": 100})
         if self.mode == "500":
             return web.json_response({"error": "boom"}, status=500)
-        if self.mode == "drop":  # close the connection before answering
+        if self.mode == "drop" or (self.mode == "drop-once" and len(self.bodies) == 1):
+            # close the connection before answering
             assert request.transport is not None
             request.transport.close()
             await asyncio.sleep(1)
@@ -263,6 +264,24 @@ async def test_refused_connections_are_not_counted_as_tries(
     status, _, body = await h2.post("/v1/completions", completion())
     err = json.loads(body)["error"]
     assert status == 502 and err["message"].startswith("2 tries on 2 endpoint(s) failed"), err
+
+
+async def test_every_engine_tried_with_tries_left_gets_another_round(
+    make_router: RouterFactory, fakes: Callable[..., Any]
+) -> None:
+    """The only engine dropped the request before answering: it is sent there again (one of its
+    maxRetries), not answered 502."""
+    (once,) = await fakes("drop-once")
+    h = await make_router([once.url], maxRetries=1)
+    status, headers, _ = await h.post("/v1/completions", completion())
+    assert (status, headers["x-kvstrata-endpoint"], headers["x-kvstrata-attempts"]) == (200, once.url, "2")
+    assert len(once.bodies) == 2
+    # With no retries allowed it is not.
+    (again,) = await fakes("drop-once")
+    h0 = await make_router([again.url], maxRetries=0)
+    status, _, body = await h0.post("/v1/completions", completion())
+    assert status == 502 and json.loads(body)["error"]["message"].startswith("1 try on 1 endpoint(s) failed")
+    assert len(again.bodies) == 1
 
 
 async def test_connect_timeouts_everywhere_get_another_round(
