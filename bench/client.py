@@ -9,7 +9,7 @@ import contextlib
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -29,6 +29,9 @@ class Result:
     # From the engine's final usage chunk: what this request really found cached (None if not reported).
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
+    # The router's x-kvstrata-* answer headers without the prefix (engine, reason, admission, held-ms):
+    # a slow request's wait split into held in the router and spent at the engine. Peers send none.
+    router: dict[str, str] = field(default_factory=dict)
 
     @property
     def ttft_ms(self) -> float | None:
@@ -44,6 +47,7 @@ class Result:
             "ok": self.ok,
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
+            **({"router": self.router} if self.router else {}),
         }
 
 
@@ -55,6 +59,8 @@ class Scripted:
     cid: int
     requests: tuple[tuple[str, dict[str, Any]], ...]
 
+
+_EXPLAIN = "x-kvstrata-"
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -105,6 +111,11 @@ async def _one(
                 return Result(
                     cid, turn, False, None, time.perf_counter() - start, f"HTTP {resp.status}: {text}"
                 )
+            explained = {
+                k.lower().removeprefix(_EXPLAIN): v
+                for k, v in resp.headers.items()
+                if k.lower().startswith(_EXPLAIN)
+            }
             # SSE: events are `data: ...` lines; routers may split or merge network chunks arbitrarily.
             async for raw in resp.content:
                 line = raw.strip()
@@ -137,6 +148,7 @@ async def _one(
         latency,
         prompt_tokens=usage.get("prompt_tokens"),
         cached_tokens=details.get("cached_tokens"),
+        router=explained,
     )
 
 

@@ -218,7 +218,9 @@ def test_seed_lists_and_router_variants() -> None:
 def test_a_request_record_has_its_ttft_in_ms_and_what_the_engine_found_cached() -> None:
     from bench.client import Result
 
-    late = Result(3, 1, True, 0.25, 0.4, start_s=2.0, prompt_tokens=300, cached_tokens=256)
+    late = Result(
+        3, 1, True, 0.25, 0.4, start_s=2.0, prompt_tokens=300, cached_tokens=256, router={"held-ms": "12"}
+    )
     failed = Result(1, 0, False, None, 0.1, "HTTP 503: busy", start_s=0.5)
     records = [r.record() for r in (failed, late)]
     assert records == [
@@ -239,5 +241,6 @@ def test_a_request_record_has_its_ttft_in_ms_and_what_the_engine_found_cached() 
             "ok": True,
             "prompt_tokens": 300,
             "cached_tokens": 256,
+            "router": {"held-ms": "12"},
         },
     ]
