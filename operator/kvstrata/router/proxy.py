@@ -84,7 +84,7 @@ _REQ_DROP = _HOP_BY_HOP | {"accept-encoding"}
 # The upstream session does not decompress, so content-encoding travels with the untouched body.
 _RESP_DROP = _HOP_BY_HOP | {"date", "server"}
 _RETRYABLE_STATUS = 500
-# Between rounds over the engines when all failed to connect: Envoy's retry back-off (25 ms base), doubled
+# Between rounds over the engines once every one was tried: Envoy's retry back-off (25 ms base), doubled
 # per round up to a second.
 _ROUND_BACKOFF_S = 0.025
 _ROUND_BACKOFF_MAX_S = 1.0
