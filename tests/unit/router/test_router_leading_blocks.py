@@ -175,6 +175,42 @@ async def test_a_request_for_a_document_being_hashed_waits_for_that_work(
     assert tokenized is not None and tokenized < len(text) + 200  # the document once, then the new turn
 
 
+async def test_a_request_whose_only_match_is_a_prompt_still_being_hashed_waits_for_it(
+    router: Router, tok: LocalTokenizer
+) -> None:
+    """Two prompts sharing a long stretch moments apart, the second hashed in full on its own path (here:
+    short enough to need no probe; in a burst, because the background thread's cached chunks let its
+    walk run past the probe). All it matches is the first's leading blocks, so it waits for the first's
+    rest and then sees the whole shared stretch predicted where the first went."""
+    text = document(50, 3000)  # document(s) repeats with period 130: clear of the other tests' seeds
+    other = text[:1500] + " and then a different short question about it"
+    release = threading.Event()
+    real = router._finish
+
+    def held_back(enc: Any, text: str, walked: Any, parallel: bool = True) -> Any:
+        if not parallel:  # the first request's rest, hashed after its decision
+            assert release.wait(10)
+        return real(enc, text, walked, parallel)
+
+    router._finish = held_back  # type: ignore[method-assign]
+    first = await router.decide(completion(text))
+    home = first.order[0]
+    router.commit(first, home)
+    probe = len(first.hashes)
+    second = asyncio.ensure_future(router.decide(completion(other)))
+    await asyncio.sleep(0.05)
+    assert not second.done()  # waiting for the first's rest
+    release.set()
+    decided = await asyncio.wait_for(second, 5)
+    full = block_hashes(tok.encode_completion(text), BLOCK)
+    mine = block_hashes(tok.encode_completion(other), BLOCK)
+    assert list(decided.hashes) == list(mine)
+    shared = next(i for i, (a, b) in enumerate(zip(full, mine, strict=False)) if a != b)
+    assert shared > probe
+    assert decided.matches[home.url].blocks == shared
+    assert decided.order[0] is home and decided.reason == "prefix"
+
+
 def busy_background(router: Router, jobs: int) -> threading.Event:
     """Fill the background thread with ``jobs`` jobs that wait for the returned event."""
     release = threading.Event()
