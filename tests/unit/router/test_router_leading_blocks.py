@@ -145,6 +145,21 @@ async def test_the_next_turn_walks_what_was_hashed_after_the_decision(
     assert second.order[0] is first.order[0] and second.reason == "prefix"
 
 
+def hold_back_rests(router: Router) -> threading.Event:
+    """Rests hashed on the background thread after their decision wait for the returned event; a
+    request's own hashing does not."""
+    release = threading.Event()
+    real = router._finish
+
+    def held_back(enc: Any, text: str, walked: Any, parallel: bool = True) -> Any:
+        if not parallel:  # a rest, hashed after its decision
+            assert release.wait(10)
+        return real(enc, text, walked, parallel)
+
+    router._finish = held_back  # type: ignore[method-assign]
+    return release
+
+
 async def test_a_request_for_a_document_being_hashed_waits_for_that_work(
     router: Router, tok: LocalTokenizer
 ) -> None:
@@ -152,15 +167,7 @@ async def test_a_request_for_a_document_being_hashed_waits_for_that_work(
     on the probe and waits for the first's hashing, then walks it, instead of tokenizing it again."""
     text = document(5, 3000)
     turn = text + " and then the user asks one more short question about it"
-    release = threading.Event()
-    real = router._finish
-
-    def held_back(enc: Any, text: str, walked: Any, parallel: bool = True) -> Any:
-        if not parallel:  # the first request's rest, hashed after its decision
-            assert release.wait(10)
-        return real(enc, text, walked, parallel)
-
-    router._finish = held_back  # type: ignore[method-assign]
+    release = hold_back_rests(router)
     first = await router.decide(completion(text))
     router.commit(first, first.order[0])
     second = asyncio.ensure_future(router.decide(completion(turn)))
@@ -184,15 +191,7 @@ async def test_a_request_whose_only_match_is_a_prompt_still_being_hashed_waits_f
     rest and then sees the whole shared stretch predicted where the first went."""
     text = document(50, 3000)  # document(s) repeats with period 130: clear of the other tests' seeds
     other = text[:1500] + " and then a different short question about it"
-    release = threading.Event()
-    real = router._finish
-
-    def held_back(enc: Any, text: str, walked: Any, parallel: bool = True) -> Any:
-        if not parallel:  # the first request's rest, hashed after its decision
-            assert release.wait(10)
-        return real(enc, text, walked, parallel)
-
-    router._finish = held_back  # type: ignore[method-assign]
+    release = hold_back_rests(router)
     first = await router.decide(completion(text))
     home = first.order[0]
     router.commit(first, home)
