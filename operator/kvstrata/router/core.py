@@ -371,6 +371,8 @@ class Router:
         prompt is hashed in full on its own. Seen in family draw 321: two users of one tenant 8 ms apart,
         the second hashed to 33 blocks and saw 2 of them where the first was going, so the load scorers
         sent it to another engine to prefill the tenant's 30-block system prompt again."""
+        if not self._rests:  # the common case: nothing routed on its leading blocks is being hashed
+            return None
         best = max((m.blocks for m in matches.values()), default=0)
         if not 0 < best < len(hashes):
             return None
