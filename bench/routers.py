@@ -41,6 +41,8 @@ KVSTRATA_VARIANTS: dict[str, dict[str, str]] = {
     # A held request's wait bounded by its own prefill (overdueAfterPrefills, off by default) as it was
     # built and measured (twenty-first session).
     "overdue": {"KVSTRATA_ROUTER_ADMISSION": '{"overdueAfterPrefills": 1.0}'},
+    # Without the evicts scorer (twenty-third session): a cold prompt placed as before it.
+    "no-evicts": {"KVSTRATA_ROUTER_WEIGHTS": '{"evicts": 0}'},
     # The share bound (off by default) at the factor it was built with.
     "share-bound": {"KVSTRATA_ROUTER_SHARE_BOUND_FACTOR": "1.3"},
 }

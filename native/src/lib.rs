@@ -382,6 +382,22 @@ impl Recency {
         self.map.len()
     }
 
+    /// When the ``rank``-th most recently touched hash (0: the newest) was touched; None when fewer
+    /// hashes are kept. An LRU pool that keeps ``rank`` of these evicts that one first among the
+    /// newest, so its time says how recently used the newest block an eviction takes was.
+    fn touched_at_rank(&self, rank: usize) -> Option<f64> {
+        let mut seen = 0usize;
+        for &(seq, t, h) in self.queue.iter().rev() {
+            if self.live(seq, h) {
+                if seen == rank {
+                    return Some(t);
+                }
+                seen += 1;
+            }
+        }
+        None
+    }
+
     /// Drop the oldest hashes past ``limit``.
     fn trim(&mut self, limit: usize) {
         while self.map.len() > limit {

@@ -55,6 +55,9 @@ WEIGHT_HISTORY: Final = 0.5
 # the prefill estimate decides.
 WEIGHT_FIT: Final = 0.5
 WEIGHT_RECENT: Final = 0.3
+# The evicts scorer: as much as room (cache_room), which it stands in for once every pool is full; twice
+# history's pull, so a group's home that would evict a hotter group than another engine would loses.
+WEIGHT_EVICTS: Final = 1.0
 QUEUE_WEIGHT: Final = 0.25
 # Tier credit: the share of a block's prefill a hit on that tier saves (TierWeights). On accelerators it
 # depends on the model and the links (a prefill on a GPU is fast, so a copy from host DRAM or a read from
@@ -134,6 +137,12 @@ class Weights(_Wire):
         WEIGHT_RECENT,
         ge=0,
         description="Fewer requests sent lately (live conversations that will send follow-ups)",
+    )
+    evicts: float = Field(
+        WEIGHT_EVICTS,
+        ge=0,
+        description="A prompt no engine holds goes where the blocks its prefill would evict were used "
+        "longest ago",
     )
 
 

@@ -17,6 +17,7 @@ class Reason(StrEnum):
     CACHE_ROOM = "cache-room"  # a new prefix went where the cache has most room
     HISTORY = "history"  # an evicted prefix went back to the engine that held it
     FIT = "fit"  # the prompt fits in this engine's pool beside what it serves now
+    EVICTS = "evicts"  # a new prefix went where what its prefill evicts was used longest ago
     LOAD = "load"  # the weighted totals differed otherwise
     TIE_HASH = "tie-hash"  # equal totals: the rendezvous hash of the prompt's first block
     PREFIX_HASH = "prefix-hash"

@@ -18,6 +18,7 @@ from kvstrata.router.scoring import (
     SCORERS,
     BoundedLoadFilter,
     CacheRoomScorer,
+    EvictsScorer,
     FitScorer,
     KvUsageScorer,
     LoadScorer,
@@ -338,6 +339,11 @@ def _router(policy: str, **extra: object) -> Router:
     return r
 
 
+def _evicts(r: Router) -> EvictsScorer:
+    (scorer,) = [s for s, _ in r.scorers if isinstance(s, EvictsScorer)]
+    return scorer
+
+
 def _recent(r: Router) -> RecentScorer:
     (scorer,) = [s for s, _ in r.scorers if isinstance(s, RecentScorer)]
     return scorer
@@ -438,6 +444,76 @@ async def test_round_robin_least_load_prefix_hash() -> None:
     assert len(same) == 1  # same first block → same endpoint
     spread = {(await ph.decide(_req(f"{i:04d}tail"))).order[0].url for i in range(30)}
     assert len(spread) > 1
+
+
+def test_evicts_scorer_prefers_the_engine_whose_evicted_blocks_were_used_longest_ago() -> None:
+    evicts = EvictsScorer()
+    a, b, c = ep("a", kv_blocks=6), ep("b", kv_blocks=6), ep("c", kv_blocks=6)
+    evicts.on_routed(a, 10.0, [1, 2, 3, 4])
+    evicts.on_routed(a, 19.0, [5, 6, 7, 8])  # a's pool: a group used 1 s ago beside an older one
+    evicts.on_routed(b, 12.0, [11, 12, 13, 14, 15, 16])
+    evicts.on_routed(c, 15.0, [21, 22, 23, 24, 25, 26])
+    cold = RouteRequest(hashes=[900, 901, 902, 903], now=20.0)  # 4 new blocks: each pool keeps 2
+    assert [evicts.evicted_age(cold, e) for e in (a, b, c)] == [1.0, 8.0, 5.0]
+    assert evicts.score(cold, [a, b, c]) == [1.0 / 8.0, 1.0, 5.0 / 8.0]
+    # Two new blocks: a keeps its newest group (4 blocks) and evicts only the one used 10 s ago.
+    small = RouteRequest(hashes=[900, 901], now=20.0)
+    assert evicts.evicted_age(small, a) == 10.0
+    # An engine that would evict nothing this router sent there beats every engine that would.
+    assert evicts.score(cold, [a, b, ep("d", kv_blocks=6)]) == [0.0, 0.0, 1.0]
+    # Silent: a prompt some engine holds, an unknown pool size, all alike, the character fallback.
+    held = RouteRequest(hashes=[1, 900], matches={"a": PrefixMatch(1, gpu=1)}, now=20.0)
+    assert evicts.score(held, [a, b, c]) == [0.0, 0.0, 0.0]
+    assert evicts.score(cold, [a, ep("x")]) == [0.0, 0.0]
+    assert evicts.score(cold, [ep("y", kv_blocks=6), ep("z", kv_blocks=6)]) == [0.0, 0.0]
+    approx = RouteRequest(hashes=[900, 901, 902, 903], approximate=True, now=20.0)
+    assert evicts.score(approx, [a, b, c]) == [0.0, 0.0, 0.0]
+    evicts.on_removed(a)
+    assert evicts.evicted_age(cold, a) == float("inf")
+
+
+def test_evicts_orders_a_request_s_blocks_as_vllm_frees_them() -> None:
+    """vLLM frees a request's blocks last block first, so of one request's blocks its leading ones are
+    evicted last; the bound on what is kept follows the pool."""
+    evicts = EvictsScorer()
+    a = ep("a", kv_blocks=4)
+    evicts.on_routed(a, 1.0, [1, 2, 3, 4, 5, 6])
+    # Three new blocks leave one kept block: the request's first; its second is the newest evicted.
+    assert evicts.used["a"].touched_at_rank(0) == 1.0
+    evicts.on_routed(a, 2.0, [7])
+    evicts.on_routed(a, 3.0, list(range(100, 5000)))
+    assert len(evicts.used["a"]) == 1024  # never more than max(pool, 1024) blocks per engine
+
+
+async def test_an_evicted_prefix_goes_where_its_prefill_evicts_the_coldest_blocks() -> None:
+    """Family draw 338: the group's home held another tenant's prompt used a moment ago, the other
+    engines prompts used seconds before; going home evicted the hot prompt and both tenants missed."""
+    from kvstrata.router.events import BlockRemoved, BlockStored
+
+    r = _router("kv-aware")
+    eps = r.pool.all()
+    for e in eps:
+        e.kv_blocks = 4
+    tokens = list(range(12))  # three blocks of 4
+    d = await r.decide(_req(tokens))
+    home = d.order[0]
+    r.commit(d, home)
+    r.settle(d, home)
+    r.index.apply(home.url, BlockStored(tuple(d.hashes), None, (), 4, "GPU"))
+    r.index.apply(home.url, BlockRemoved(tuple(d.hashes), "GPU"))
+    now = time.monotonic()
+    others = [e for e in eps if e is not home]
+    evicts = _evicts(r)
+    for i, e in enumerate(others):
+        evicts.on_routed(e, now - 8.0 - i, [600 + 10 * i + k for k in range(4)])
+    evicts.on_routed(home, now - 0.5, [500, 501, 502, 503])  # another tenant's prompt, just used
+    again = await r.decide(_req([*tokens, 77, 78, 79, 80]))
+    assert again.matches == {} and again.order[0] is others[1] and again.reason == "evicts"
+    # Where its home's blocks are as cold as the coldest elsewhere, the group still goes home.
+    evicts.used[home.url].trim(0)
+    evicts.on_routed(home, now - 9.0, [700, 701, 702, 703])
+    home_again = await r.decide(_req([*tokens, 77, 78, 79, 81]))
+    assert home_again.order[0] is home and home_again.reason == "history"
 
 
 async def test_an_evicted_prefix_goes_back_to_the_engine_that_held_it() -> None:
