@@ -385,17 +385,21 @@ impl Recency {
     /// When the ``rank``-th most recently touched hash (0: the newest) was touched; None when fewer
     /// hashes are kept. An LRU pool that keeps ``rank`` of these evicts that one first among the
     /// newest, so its time says how recently used the newest block an eviction takes was.
+    ///
+    /// Walked from the nearer end: asked for the rank a pool of P blocks keeps past a prompt of n, with
+    /// at most max(P, 1024) hashes kept, that is the oldest end, so the walk is about n long, not P.
     fn touched_at_rank(&self, rank: usize) -> Option<f64> {
-        let mut seen = 0usize;
-        for &(seq, t, h) in self.queue.iter().rev() {
-            if self.live(seq, h) {
-                if seen == rank {
-                    return Some(t);
-                }
-                seen += 1;
-            }
+        let live = self.map.len();
+        if rank >= live {
+            return None;
         }
-        None
+        let from_oldest = live - 1 - rank;
+        let time_if_live = |&(seq, t, h): &(u64, f64, u64)| self.live(seq, h).then_some(t);
+        if from_oldest < rank {
+            self.queue.iter().filter_map(time_if_live).nth(from_oldest)
+        } else {
+            self.queue.iter().rev().filter_map(time_if_live).nth(rank)
+        }
     }
 
     /// Drop the oldest hashes past ``limit``.

@@ -403,9 +403,12 @@ class EvictsScorer(ScorerHooks):
     vLLM's pool evicts its least recently used free blocks first, so on an engine whose pool holds
     ``kv_blocks`` a prompt adding ``n`` blocks keeps the ``kv_blocks - n`` blocks used most recently and
     evicts the rest; the newest of those is the one to weigh. Each engine's blocks are ordered by when
-    this router last sent a request using them. Score = how long ago that block was used / the longest
-    such time over the engines; 1 for an engine that would evict nothing this router sent there, and
-    then 0 for every engine that would. The cluster's pools then evict together like one LRU cache.
+    this router last sent a request using them. Score = 1 - exp(-age / ``window_s``), ``age`` being how
+    long ago that block was used: the share of its use that has faded, on the recent scorer's time
+    scale (a request sent ``age`` ago counts exp(-age / ``window_s``) there); 1 where nothing this router
+    sent would be evicted. The cluster's pools then evict together like one LRU cache, and blocks all
+    used within the last moments (a burst's first prompts) score alike near 0 instead of being told
+    apart by milliseconds.
 
     Why (family draw 338, two runs of the same code 10 points apart): five tenants on three engines
     whose pools held one tenant's system prompt each; a tenant evicted everywhere went back to its home
@@ -414,6 +417,7 @@ class EvictsScorer(ScorerHooks):
     and so did the following four. Silent when the prompt matches anywhere, a pool size is unknown, or
     every engine scores alike."""
 
+    window_s: float
     name: str = "evicts"
     # Per endpoint URL: block hash -> when a request using it was last sent there (monotonic).
     used: dict[str, Recency] = field(default_factory=dict)
@@ -431,9 +435,7 @@ class EvictsScorer(ScorerHooks):
         used = self.used.get(ep.url)
         if used is None:
             used = self.used[ep.url] = Recency()
-        # Last block first: vLLM frees a request's blocks tail first, so its leading (shared) blocks
-        # are the last of them to be evicted.
-        used.touch(hashes[::-1], now)
+        used.touch(hashes, now)
         # Past its pool's size nothing older is ever weighed.
         used.trim(max(ep.kv_blocks, 1024))
 
@@ -446,13 +448,8 @@ class EvictsScorer(ScorerHooks):
     def score(self, req: RouteRequest, eps: Sequence[Endpoint]) -> list[float]:
         if req.matches or req.approximate or not req.hashes or any(ep.kv_blocks <= 0 for ep in eps):
             return [0.0] * len(eps)
-        ages = [self.evicted_age(req, ep) for ep in eps]
-        if len(set(ages)) == 1:
-            return [0.0] * len(eps)
-        if math.inf in ages:
-            return [1.0 if a == math.inf else 0.0 for a in ages]
-        oldest = max(ages)
-        return [a / oldest for a in ages]
+        scores = [1.0 - faded(1.0, self.evicted_age(req, ep), self.window_s) for ep in eps]
+        return [0.0] * len(eps) if len(set(scores)) == 1 else scores
 
     def explain(self, outcome: Outcome, weight: float) -> Reason | None:
         """The winner evicts older blocks, and without that it would not be ahead."""
@@ -614,7 +611,7 @@ SCORERS: dict[str, ScorerFactory] = {
     "history": lambda s: HistoryScorer(),
     "fit": lambda s: FitScorer(s.fit_window_seconds),
     "recent": lambda s: RecentScorer(s.recent_window_seconds),
-    "evicts": lambda s: EvictsScorer(),
+    "evicts": lambda s: EvictsScorer(s.recent_window_seconds),
     "session": lambda s: SessionScorer(),
 }
 # Which scorer's explanation wins when several could claim a decision (after a prefix match, which the

@@ -195,6 +195,9 @@ def test_recency_follows_an_ordered_dict_on_random_operations() -> None:
                 while len(model) > limit:
                     model.popitem(last=False)
             assert len(r) == len(model)
+            newest_first = list(model.values())[::-1]
+            # Every rank, so both ends of the walk are taken; past the last one there is none.
+            assert [r.touched_at_rank(k) for k in range(len(model) + 2)] == [*newest_first, None, None]
 
 
 # Token ids at every pickle and CBOR integer width boundary, and ordinary vocabulary ids.

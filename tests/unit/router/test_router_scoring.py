@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from typing import get_args
 
@@ -447,7 +448,7 @@ async def test_round_robin_least_load_prefix_hash() -> None:
 
 
 def test_evicts_scorer_prefers_the_engine_whose_evicted_blocks_were_used_longest_ago() -> None:
-    evicts = EvictsScorer()
+    evicts = EvictsScorer(window_s=10.0)
     a, b, c = ep("a", kv_blocks=6), ep("b", kv_blocks=6), ep("c", kv_blocks=6)
     evicts.on_routed(a, 10.0, [1, 2, 3, 4])
     evicts.on_routed(a, 19.0, [5, 6, 7, 8])  # a's pool: a group used 1 s ago beside an older one
@@ -455,12 +456,20 @@ def test_evicts_scorer_prefers_the_engine_whose_evicted_blocks_were_used_longest
     evicts.on_routed(c, 15.0, [21, 22, 23, 24, 25, 26])
     cold = RouteRequest(hashes=[900, 901, 902, 903], now=20.0)  # 4 new blocks: each pool keeps 2
     assert [evicts.evicted_age(cold, e) for e in (a, b, c)] == [1.0, 8.0, 5.0]
-    assert evicts.score(cold, [a, b, c]) == [1.0 / 8.0, 1.0, 5.0 / 8.0]
+    # The share of each one's use that has faded on the 10 s scale.
+    faded_share = [1.0 - math.exp(-age / 10.0) for age in (1.0, 8.0, 5.0)]
+    assert evicts.score(cold, [a, b, c]) == pytest.approx(faded_share)
     # Two new blocks: a keeps its newest group (4 blocks) and evicts only the one used 10 s ago.
     small = RouteRequest(hashes=[900, 901], now=20.0)
     assert evicts.evicted_age(small, a) == 10.0
-    # An engine that would evict nothing this router sent there beats every engine that would.
-    assert evicts.score(cold, [a, b, ep("d", kv_blocks=6)]) == [0.0, 0.0, 1.0]
+    # An engine that would evict nothing this router sent there scores 1.
+    assert evicts.score(cold, [a, b, ep("d", kv_blocks=6)]) == pytest.approx([*faded_share[:2], 1.0])
+    # Blocks all used a moment ago score alike near 0: milliseconds do not tell engines apart.
+    first = EvictsScorer(window_s=10.0)
+    for i, e in enumerate((a, b, c)):
+        first.on_routed(e, 30.0 + i / 1000, [300 + 10 * i + k for k in range(6)])
+    burst = RouteRequest(hashes=[900, 901, 902, 903], now=30.003)
+    assert all(0 < v < 0.001 for v in first.score(burst, [a, b, c]))
     # Silent: a prompt some engine holds, an unknown pool size, all alike, the character fallback.
     held = RouteRequest(hashes=[1, 900], matches={"a": PrefixMatch(1, gpu=1)}, now=20.0)
     assert evicts.score(held, [a, b, c]) == [0.0, 0.0, 0.0]
@@ -472,17 +481,11 @@ def test_evicts_scorer_prefers_the_engine_whose_evicted_blocks_were_used_longest
     assert evicts.evicted_age(cold, a) == float("inf")
 
 
-def test_evicts_orders_a_request_s_blocks_as_vllm_frees_them() -> None:
-    """vLLM frees a request's blocks last block first, so of one request's blocks its leading ones are
-    evicted last; the bound on what is kept follows the pool."""
-    evicts = EvictsScorer()
+def test_evicts_keeps_no_more_blocks_per_engine_than_it_can_weigh() -> None:
+    evicts = EvictsScorer(window_s=10.0)
     a = ep("a", kv_blocks=4)
-    evicts.on_routed(a, 1.0, [1, 2, 3, 4, 5, 6])
-    # Three new blocks leave one kept block: the request's first; its second is the newest evicted.
-    assert evicts.used["a"].touched_at_rank(0) == 1.0
-    evicts.on_routed(a, 2.0, [7])
     evicts.on_routed(a, 3.0, list(range(100, 5000)))
-    assert len(evicts.used["a"]) == 1024  # never more than max(pool, 1024) blocks per engine
+    assert len(evicts.used["a"]) == 1024  # max(pool, 1024): nothing older is ever weighed
 
 
 async def test_an_evicted_prefix_goes_where_its_prefill_evicts_the_coldest_blocks() -> None:
@@ -502,6 +505,9 @@ async def test_an_evicted_prefix_goes_where_its_prefill_evicts_the_coldest_block
     r.index.apply(home.url, BlockStored(tuple(d.hashes), None, (), 4, "GPU"))
     r.index.apply(home.url, BlockRemoved(tuple(d.hashes), "GPU"))
     now = time.monotonic()
+    (fit,) = [s for s, _ in r.scorers if isinstance(s, FitScorer)]
+    for i, e in enumerate(eps):  # every pool thrashes: the fit scorer is silent, as in that draw
+        fit.on_routed(e, now, [1000 + 10 * i + k for k in range(6)])
     others = [e for e in eps if e is not home]
     evicts = _evicts(r)
     for i, e in enumerate(others):
