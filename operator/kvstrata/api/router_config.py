@@ -55,8 +55,9 @@ WEIGHT_HISTORY: Final = 0.5
 # the prefill estimate decides.
 WEIGHT_FIT: Final = 0.5
 WEIGHT_RECENT: Final = 0.3
-# The evicts scorer: as much as room (cache_room), which it stands in for once every pool is full; twice
-# history's pull, so a group's home that would evict a hotter group than another engine would loses.
+# The evicts scorer: as much as room (cache_room), which it stands in for once every pool is full; against
+# history (0.5), a group's home that would evict blocks used a moment ago loses to an engine whose blocks
+# to evict have faded by more than half.
 WEIGHT_EVICTS: Final = 1.0
 QUEUE_WEIGHT: Final = 0.25
 # Tier credit: the share of a block's prefill a hit on that tier saves (TierWeights). On accelerators it

@@ -120,6 +120,16 @@ def rendezvous(key: bytes, url: str) -> int:
     return int.from_bytes(hashlib.blake2b(key + url.encode(), digest_size=8).digest(), "big")
 
 
+def decisive(outcome: Outcome, name: str, weight: float) -> bool:
+    """Scorer ``name`` put the winner ahead of the runner-up: it scored the winner higher, and without
+    it the runner-up would have been level or ahead."""
+    win, second = outcome.win, outcome.second
+    if second is None:
+        return False
+    mine, theirs = win.scores.get(name, 0.0), second.scores.get(name, 0.0)
+    return mine > theirs and second.total - weight * theirs >= win.total - weight * mine - 1e-9
+
+
 def credited_blocks(m: PrefixMatch, tiers: TierWeights) -> float:
     """Matched blocks, each counted by the share of its prefill a hit in its tier saves.
 
@@ -339,13 +349,7 @@ class FitScorer(ScorerHooks):
         return [0.0] * len(eps) if len(set(scores)) == 1 else scores
 
     def explain(self, outcome: Outcome, weight: float) -> Reason | None:
-        win, second = outcome.win, outcome.second
-        if second is None:
-            return None
-        mine, theirs = win.scores.get(self.name, 0.0), second.scores.get(self.name, 0.0)
-        if mine > theirs and second.total - weight * theirs >= win.total - weight * mine - 1e-9:
-            return Reason.FIT
-        return None
+        return Reason.FIT if decisive(outcome, self.name, weight) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -387,13 +391,7 @@ class RecentScorer(ScorerHooks):
 
     def explain(self, outcome: Outcome, weight: float) -> Reason | None:
         """The winner had fewer recent requests, and without them it would not be ahead."""
-        win, second = outcome.win, outcome.second
-        if second is None:
-            return None
-        mine, theirs = win.scores.get(self.name, 0.0), second.scores.get(self.name, 0.0)
-        if mine > theirs and second.total - weight * theirs >= win.total - weight * mine - 1e-9:
-            return Reason.RECENT
-        return None
+        return Reason.RECENT if decisive(outcome, self.name, weight) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -453,13 +451,7 @@ class EvictsScorer(ScorerHooks):
 
     def explain(self, outcome: Outcome, weight: float) -> Reason | None:
         """The winner evicts older blocks, and without that it would not be ahead."""
-        win, second = outcome.win, outcome.second
-        if second is None:
-            return None
-        mine, theirs = win.scores.get(self.name, 0.0), second.scores.get(self.name, 0.0)
-        if mine > theirs and second.total - weight * theirs >= win.total - weight * mine - 1e-9:
-            return Reason.EVICTS
-        return None
+        return Reason.EVICTS if decisive(outcome, self.name, weight) else None
 
 
 @dataclass(frozen=True, slots=True)
