@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -151,3 +152,35 @@ def test_passes_that_wake_late_keep_room_for_their_lateness_and_forget_it_slowly
     for _ in range(400):
         seen = lateness(seen, 0.05, 0.05)
     assert seen < 0.001
+
+
+def test_a_stall_after_the_tier_stopped_growing_evicts_nothing_and_one_while_it_grows_keeps_room() -> None:
+    """The e2e restart test lost every block file of a prompt written 4 s before the kill: the restarting
+    engine made a pass late, and the room for that lateness at the burst rate once seen exceeded the
+    budget, so the marks fell to zero."""
+    from kvstrata.engine.fsjanitor import RATE_MEMORY_S, pacing, recent_rate
+
+    budget, burst = 64 << 20, 400e6
+    files = [f(str(i), 1 << 20, i) for i in range(50)]  # 50 MiB: under the high mark
+    # The tier grew at the burst rate, then nothing was written for 4 s (10 ms passes, seeing no growth).
+    rate = recent_rate(0.0, burst, 0.01)
+    for _ in range(400):
+        rate = recent_rate(rate, 0.0, 0.01)
+    # The restart keeps both cores busy: a sleep of 10 ms takes 2 s. The pass after it, at the fastest
+    # rate seen, keeps room for more than the budget: every file would go.
+    sleep, at_max = pacing(budget, burst, 1.0, late_s=2.0)
+    assert at_max > budget and len(choose_victims(files, budget, reserve_bytes=at_max).victims) == 50
+    # At the recent rate (faded over the stall too) the same pass keeps the files, and passes stay as
+    # frequent as the burst rate asks.
+    rate = recent_rate(rate, 0.0, 2.0 + sleep)
+    sleep_r, reserve = pacing(budget, burst, 1.0, late_s=2.0, rate=rate)
+    assert sleep_r == sleep and not choose_victims(files, budget, reserve_bytes=reserve).victims
+    # The planned period keeps its room at the fastest rate: a burst may start at once.
+    assert reserve >= pacing(budget, burst, 1.0)[1]
+    # While the tier is growing, the same stall keeps the same room as before.
+    growing = recent_rate(rate, burst, 0.01)
+    assert growing == burst and pacing(budget, burst, 1.0, late_s=2.0, rate=growing) == (sleep, at_max)
+    # A growth rate fades with time, never below zero, and a faster one replaces it at once.
+    assert recent_rate(burst, 0.0, RATE_MEMORY_S) == pytest.approx(burst / math.e)
+    assert recent_rate(burst, -1e6, 0.01) > 0 and recent_rate(1e6, burst, 0.01) == burst
+    assert recent_rate(0.0, -1e6, 0.01) == 0.0

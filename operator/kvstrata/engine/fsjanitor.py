@@ -25,9 +25,9 @@ low 64 bits (`maybe_convert_block_hash`), so the name alone gives the event's ha
 A full PVC does not crash the engine either: a store that hits ENOSPC raises in vLLM's I/O thread, the
 job is reported failed and logged ("block I/O failed"), the temp file is removed, and the CPU tier
 keeps the block. The budget (the planner's 90% of the PVC) leaves room beyond it; under the budget, the
-eviction marks keep room for the growth until the next pass at the fastest rate seen, and for as long
-again as passes have lately woken late; passes come sooner as that rate rises (see `pacing`, `lateness`
-and `choose_victims`).
+eviction marks keep room for the growth until the next pass at the fastest rate seen, and at the rate
+the tier grew lately for as long again as passes have lately woken late; passes come sooner as the
+fastest rate rises (see `pacing`, `recent_rate`, `lateness` and `choose_victims`).
 """
 
 from __future__ import annotations
@@ -121,7 +121,12 @@ PASS_GROWTH_SHARE = 0.1
 
 
 def pacing(
-    budget_bytes: int, max_rate: float, interval_s: float, work_s: float = 0.0, late_s: float = 0.0
+    budget_bytes: int,
+    max_rate: float,
+    interval_s: float,
+    work_s: float = 0.0,
+    late_s: float = 0.0,
+    rate: float | None = None,
 ) -> tuple[float, int]:
     """Seconds to sleep before the next pass, and the bytes to keep free for the growth until then.
 
@@ -132,11 +137,31 @@ def pacing(
     the tier by at most a tenth of the budget, and half as much again is kept free. A pass can also wake
     later than it asked, on a machine whose cores the engine keeps busy: ``late_s``, the lateness seen
     lately, is kept free on top: half a period's growth covers only a pass late by half a period.
-    Pure: no I/O."""
+
+    The room for the period the janitor plans is kept at the fastest rate seen, since a burst can start
+    at any moment; the room for what a busy machine adds to that period (the pass's own work and the
+    lateness) at ``rate``, how fast the tier grew lately (`recent_rate`; the fastest rate seen when not
+    given). A restarting engine writes nothing and keeps both cores busy: its lateness at the burst rate
+    of ~400 MB/s once asked for more room than the whole budget, and a pass evicted every block file the
+    restart was to read back. Pure: no I/O."""
     if max_rate <= 0:
         return interval_s, 0
     sleep = min(interval_s, max(MIN_INTERVAL_S, PASS_GROWTH_SHARE * budget_bytes / max_rate - work_s))
-    return sleep, math.ceil(max_rate * (1.5 * (sleep + work_s) + late_s))
+    lately = max_rate if rate is None else min(rate, max_rate)
+    return sleep, math.ceil(max_rate * 1.5 * sleep + lately * (1.5 * work_s + late_s))
+
+
+# How long a growth rate is remembered once the tier stops growing (the time constant of its fade): it
+# spans the gaps between one engine's bursts of writes under load (a prompt's prefill, under a second),
+# and seconds after the last write a stalled pass keeps little room for writes that are not coming. A
+# pass after a long stall has itself faded the rate by the stall's length, so lateness x rate stays small.
+RATE_MEMORY_S = 1.0
+
+
+def recent_rate(previous: float, observed: float, elapsed_s: float) -> float:
+    """The tier's recent growth rate after a pass that saw it grow at ``observed`` bytes/s over
+    ``elapsed_s``: that rate, or the earlier one fading with time, whichever is higher. Pure."""
+    return max(observed, previous * math.exp(-elapsed_s / RATE_MEMORY_S), 0.0)
 
 
 # How lateness is remembered: the largest seen, shrinking by this factor a pass (about a minute at 1 s
@@ -277,6 +302,7 @@ def run(
         threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
     last_after = 0
     max_rate = 0.0
+    rate = 0.0
     work_s = 0.0
     late_s = 0.0
     last_pass = time.monotonic()
@@ -287,9 +313,11 @@ def run(
         scan_s = now - started
         # Growth since the last pass, as a rate: how fast the engine can fill the tier.
         growth = sum(f.size for f in files) - last_after
-        max_rate = max(max_rate, growth / max(now - last_pass, MIN_INTERVAL_S))
+        observed = growth / max(now - last_pass, MIN_INTERVAL_S)
+        max_rate = max(max_rate, observed)
+        rate = recent_rate(rate, observed, now - last_pass)
         last_pass = now
-        sleep_s, reserve = pacing(budget_bytes, max_rate, interval_s, work_s, late_s)
+        sleep_s, reserve = pacing(budget_bytes, max_rate, interval_s, work_s, late_s, rate)
         decision = choose_victims(files, budget_bytes, reserve_bytes=reserve)
         removed = evict(decision.victims)
         work_s = time.monotonic() - now + scan_s
@@ -301,7 +329,7 @@ def run(
         if verbose and decision.victims:
             print(
                 f"{time.time():.3f} used {decision.used_bytes} evicted {removed} in {len(decision.victims)}"
-                f" files; rate {max_rate:.0f} B/s reserve {reserve} late {late_s:.3f}s next in {sleep_s:.3f}s",
+                f" files; rate {rate:.0f} (max {max_rate:.0f}) B/s reserve {reserve} late {late_s:.3f}s next in {sleep_s:.3f}s",
                 flush=True,
             )
         asleep = time.monotonic()
