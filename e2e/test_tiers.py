@@ -291,10 +291,13 @@ def _a_prompt_on_the_pvc(stack: Stack, url: str, kv_dir: Path, block_size: int) 
 
     The workload's prompts are not enough: the janitor may have evicted all of them. It evicts down to the
     lower of its low mark and the budget less twice the largest growth it saw between two passes (seen
-    after the workload: 25 MB left of a 60 MB budget; once, a restarted engine found none of 40 prompts).
-    So a prompt the workload never sent is sent to the engine itself, and once its files are written a
-    pass of the janitor must leave them; if that pass evicts them (the write took usage past the high
-    mark), the next prompt's write, now below it, will not."""
+    after the workload: 25 MB left of a 60 MB budget; once, a restarted engine found none of 40 prompts,
+    most likely the wipe below). So a prompt the workload never sent is sent to the engine itself, and
+    once its files are written a pass of the janitor must leave them; if that pass evicts them (the write
+    took usage past the high mark), the next prompt's write, now below it, will not. Such a prompt was
+    once wiped too, after the kill: the restart made a janitor pass late, and the room for that lateness,
+    priced at the burst rate, exceeded the budget (fixed in the janitor: `pacing` prices lateness at the
+    recent rate)."""
     model = stack.served_model()
     for n in range(NEW_PROMPTS, NEW_PROMPTS + 3):
         hashes = _prompt_hashes(url, model, prompt(n), block_size)
