@@ -160,8 +160,9 @@ RATE_MEMORY_S = 1.0
 
 def recent_rate(previous: float, observed: float, elapsed_s: float) -> float:
     """The tier's recent growth rate after a pass that saw it grow at ``observed`` bytes/s over
-    ``elapsed_s``: that rate, or the earlier one fading with time, whichever is higher. Pure."""
-    return max(observed, previous * math.exp(-elapsed_s / RATE_MEMORY_S), 0.0)
+    ``elapsed_s``: that rate, or the earlier one fading with time, whichever is higher (so never below
+    zero while the tier shrinks: ``previous`` starts at 0). Pure."""
+    return max(observed, previous * math.exp(-elapsed_s / RATE_MEMORY_S))
 
 
 # How lateness is remembered: the largest seen, shrinking by this factor a pass (about a minute at 1 s
@@ -313,9 +314,10 @@ def run(
         scan_s = now - started
         # Growth since the last pass, as a rate: how fast the engine can fill the tier.
         growth = sum(f.size for f in files) - last_after
-        observed = growth / max(now - last_pass, MIN_INTERVAL_S)
+        elapsed = now - last_pass
+        observed = growth / max(elapsed, MIN_INTERVAL_S)
         max_rate = max(max_rate, observed)
-        rate = recent_rate(rate, observed, now - last_pass)
+        rate = recent_rate(rate, observed, elapsed)
         last_pass = now
         sleep_s, reserve = pacing(budget_bytes, max_rate, interval_s, work_s, late_s, rate)
         decision = choose_victims(files, budget_bytes, reserve_bytes=reserve)
