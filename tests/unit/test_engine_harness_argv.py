@@ -2,7 +2,8 @@
 
 The harness used to write its own vLLM command line; now it renders the engine's InferenceCluster spec
 with planner/flags.py (what the operator puts in the pod) and `localize`s it. The argvs below are what
-the old harness produced, recorded before the change: every flag and value in them is still there."""
+the old harness produced, recorded before the change: every flag and value in them is still there, but
+the dtype, which now follows the machine's CPU (`engine_dtype`)."""
 
 from __future__ import annotations
 
@@ -14,21 +15,21 @@ import pytest
 from kvstrata.planner import plan
 from kvstrata.render import render
 from kvstrata.render.objects import ENGINE_CONTAINER
-from kvstrata_dev.testing.engines import engine_args, engine_spec
+from kvstrata_dev.testing.engines import engine_args, engine_dtype, engine_spec, native_bf16
 from kvstrata_dev.testing.tinymodel import TinyModelParams, hf_config
 
 EVENTS = '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5600","topic":"kv-events"'
 # engine_args("/m", host="127.0.0.1", port=8100, kv_events_port=5600, kv_replay_port=5601), before.
 OLD_WITH_EVENTS = [
     "--model", "/m", "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", "8100",
-    "--load-format", "dummy", "--dtype", "bfloat16", "--block-size", "32", "--enable-prefix-caching",
+    "--load-format", "dummy", "--dtype", engine_dtype(), "--block-size", "32", "--enable-prefix-caching",
     "--prefix-caching-hash-algo", "sha256", "--max-model-len", "4096", "--max-num-seqs", "16",
     "--kv-events-config", EVENTS + ',"replay_endpoint":"tcp://127.0.0.1:5601"}',
 ]  # fmt: skip
 # The router tests' engines: block 32, 96 blocks, maxModelLen 2048, 8 sequences, events without replay.
 OLD_SMALL_POOL = [
     "--model", "/m", "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", "8100",
-    "--load-format", "dummy", "--dtype", "bfloat16", "--block-size", "32", "--enable-prefix-caching",
+    "--load-format", "dummy", "--dtype", engine_dtype(), "--block-size", "32", "--enable-prefix-caching",
     "--prefix-caching-hash-algo", "sha256", "--max-model-len", "2048", "--max-num-seqs", "8",
     "--num-gpu-blocks-override", "96", "--kv-events-config", EVENTS + "}", "--enable-prompt-tokens-details",
 ]  # fmt: skip
@@ -129,3 +130,23 @@ def test_harness_argv_is_the_rendered_pods_args_but_for_the_local_step(model_dir
         "tcp://*:5600",
         "tcp://127.0.0.1:5601",
     )
+
+
+AVX2_EPYC = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx avx2 fma\n"
+SAPPHIRE_RAPIDS = "flags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+COOPER_LAKE = "flags\t\t: fpu avx2 avx512f avx512_bf16\n"
+
+
+@pytest.mark.parametrize(
+    ("cpuinfo", "native"),
+    [(AVX2_EPYC, False), (SAPPHIRE_RAPIDS, True), (COOPER_LAKE, True), ("processor\t: 0\n", False)],
+    ids=["avx2-only", "amx", "avx512-bf16", "no-flags-line"],
+)
+def test_bfloat16_only_where_the_cpu_computes_it(cpuinfo: str, native: bool) -> None:
+    assert native_bf16(cpuinfo) is native
+
+
+def test_test_engines_render_the_dtype_chosen_for_this_cpu(model_dir: Path) -> None:
+    spec = engine_spec(model_dir)
+    assert spec.model.dtype == engine_dtype() in {"bfloat16", "float32"}
+    assert engine_dtype() == ("bfloat16" if native_bf16(Path("/proc/cpuinfo").read_text()) else "float32")

@@ -141,7 +141,11 @@ class ModelSpec(Wire):
     )
     served_name: str | None = Field(None, min_length=1, max_length=253, description="Name clients send")
     architecture: ArchitectureOverrides | None = Field(None, description="Overrides the catalog entry")
-    dtype: Literal["auto", "bfloat16", "float16"] = Field("bfloat16", description="Weights/activation dtype")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "bfloat16",
+        description="Weights/activation dtype; float32 for CPU engines whose CPU has no native bfloat16 "
+        "(no AVX512-BF16 or AMX), where vLLM emulates bfloat16 matmuls several times slower",
+    )
     load_format: Literal["auto", "safetensors", "dummy"] = Field(
         "auto", description="dummy = random weights (tests and demos without a model download)"
     )
