@@ -179,7 +179,9 @@ class AdmissionSettings(_Wire):
         "default a third of firstByteTimeoutSeconds",
     )
     # Off: on held-out pressure draws of the family benchmark it cost hit rate (1.7 +- 1.2 points, TTFT
-    # mean 1.06x; 3.6 +- 1.6 before it counted evictions) (docs/benchmarks.md, sixteenth session).
+    # mean 1.06x; 3.6 +- 1.6 before it counted evictions) (docs/benchmarks.md, sixteenth session); on
+    # today's code it traded 1.1 +- 1.0 points (3.3 where it fired) for TTFT mean 0.94x and p99 0.84x and
+    # failed the same rule (twenty-fifth session). Users who weigh p99 over hit rate may turn it on.
     move_when_held_past_prefill: bool = Field(
         False,
         description="Send a held request to another engine with room once it has waited as long as moving "
