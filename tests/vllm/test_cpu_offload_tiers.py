@@ -1,10 +1,10 @@
 """vLLM's CPU DRAM and NVMe (fs) KV tiers on a real CPU engine, through kvstrata's CPU-platform worker.
 
-One engine with a 64-block pool, a 24 MiB CPU tier (96 chunks of 32 tokens) and an fs tier in a temp
-directory. A prompt pushed out of the pool comes back from the CPU tier (source="host"); pushed out of
-the CPU tier too, it comes back from the fs tier (source="disk"). KV events carry medium CPU and
-STORAGE. The module the engine loads is `kvstrata.engine.cpu_offload`, on PYTHONPATH as in the engine
-image.
+One engine with a 64-block pool, a CPU tier of 96 chunks of 32 tokens (24 MiB in bfloat16) and an fs
+tier in a temp directory. A prompt pushed out of the pool comes back from the CPU tier
+(source="host"); pushed out of the CPU tier too, it comes back from the fs tier (source="disk"). KV
+events carry medium CPU and STORAGE. The module the engine loads is `kvstrata.engine.cpu_offload`, on
+PYTHONPATH as in the engine image.
 """
 
 from __future__ import annotations
@@ -22,14 +22,24 @@ import zmq
 
 from kvstrata.controller.hitrate import HitRates
 from kvstrata.controller.promtext import parse_engine
-from kvstrata_dev.testing.engines import KV_EVENTS_TOPIC, VllmEngine, free_port
+from kvstrata.planner import plan
+from kvstrata_dev.testing.engines import KV_EVENTS_TOPIC, VllmEngine, engine_spec, free_port
 
 REPO = Path(__file__).resolve().parents[2]
-CPU_TIER_BYTES = 24 << 20
+# The CPU tier holds this many blocks of 32 tokens: 24 MiB in bfloat16, 48 MiB in float32 (the harness
+# runs the engine in float32 where the CPU has no native bfloat16: engine_dtype).
+CPU_TIER_BLOCKS = 96
+BLOCK_SIZE = 32
 POOL_BLOCKS = 64
 
 
-def transfer_config(root: Path) -> str:
+def cpu_tier_bytes(tiny_model: Path) -> int:
+    """``CPU_TIER_BLOCKS`` of the engine's blocks, at the KV bytes per token the planner prices its spec at."""
+    spec = engine_spec(tiny_model, block_size=BLOCK_SIZE, num_gpu_blocks_override=POOL_BLOCKS)
+    return CPU_TIER_BLOCKS * BLOCK_SIZE * plan(spec, suggest_fixes=False).kv_bytes_per_token
+
+
+def transfer_config(root: Path, cpu_bytes: int) -> str:
     return json.dumps(
         {
             "kv_connector": "OffloadingConnector",
@@ -37,7 +47,7 @@ def transfer_config(root: Path) -> str:
             "kv_connector_extra_config": {
                 "spec_name": "CpuTieringOffloadingSpec",
                 "spec_module_path": "kvstrata.engine.cpu_offload",
-                "cpu_bytes_to_use": CPU_TIER_BYTES,
+                "cpu_bytes_to_use": cpu_bytes,
                 "secondary_tiers": [
                     {
                         "type": "fs",
@@ -95,7 +105,7 @@ def tiered_engine(tiny_model: Path, base: Path, root: Path, log: str) -> VllmEng
         num_gpu_blocks_override=POOL_BLOCKS,
         max_model_len=1024,
         max_num_seqs=4,
-        extra_args=["--kv-transfer-config", transfer_config(root)],
+        extra_args=["--kv-transfer-config", transfer_config(root, cpu_tier_bytes(tiny_model))],
         env={"PYTHONPATH": str(REPO / "operator")},
         log_path=base / log,
     )
