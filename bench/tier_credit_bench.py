@@ -93,7 +93,14 @@ def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvstrata.planner.flags import ENGINE_PYTHONPATH, unpinned_omp_env
-    from kvstrata_dev.testing.engines import VllmEngine, free_port, rebind_engine_env, start_all, stop_all
+    from kvstrata_dev.testing.engines import (
+        VllmEngine,
+        engine_dtype,
+        free_port,
+        rebind_engine_env,
+        start_all,
+        stop_all,
+    )
     from kvstrata_dev.testing.tinymodel import default_tiny_model_dir, ensure_tiny_model
 
     model_dir = ensure_tiny_model(default_tiny_model_dir())
@@ -104,7 +111,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if p_blocks < 2 or args.pool_blocks < 2 * p_blocks + 2:
         raise BenchError("--pool-blocks must hold two prompts of --prompt-tokens")
     # Fillers: enough blocks to push P out of the pool (and then the CPU tier), in prompts of P's size.
-    block_bytes = kv_bytes_per_token(architecture_from_hf_config(config)) * bs
+    block_bytes = kv_bytes_per_token(architecture_from_hf_config(config), "auto", engine_dtype()) * bs
     cpu_blocks = (args.cpu_tier_mib << 20) // block_bytes
     fill_pool = -(-(args.pool_blocks + p_blocks) // p_blocks)
     fill_cpu = -(-(args.pool_blocks + cpu_blocks + p_blocks) // p_blocks)

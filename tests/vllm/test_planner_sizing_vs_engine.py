@@ -26,6 +26,7 @@ from kvstrata.planner.kv import kv_bytes_per_token, tokens_in
 from kvstrata_dev.testing.engines import (
     EngineError,
     VllmEngine,
+    engine_dtype,
     free_port,
     rebind_engine_args,
     rebind_engine_env,
@@ -204,6 +205,8 @@ def test_refusal_predicted_before_the_engine_starts(
     assert int(logged_len) == max_len
 
     doc = tiny_manifest(max_model_len=max_len, gpu_tier={"size": "1Gi"})
+    # The engine ran in the harness's dtype (float32 where the CPU has no native bfloat16).
+    doc["spec"]["model"]["dtype"] = engine_dtype()
     doc["spec"]["model"]["architecture"].update(
         numLayers=8,
         numAttentionHeads=32,
