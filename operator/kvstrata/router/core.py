@@ -23,6 +23,7 @@ import aiohttp
 
 from kvstrata.api.router_config import RouterSettings
 from kvstrata.router.admission import Gate, GateDeps
+from kvstrata.router.conversations import conversation_bound
 from kvstrata.router.decision import Decision
 from kvstrata.router.hashing import block_hashes, char_block_hashes, check_algo
 from kvstrata.router.incremental import IncrementalEncoder, Walk
@@ -101,6 +102,7 @@ class _Ranking:
     dropped: list[Endpoint]  # by either bound, least loaded first: retries if all else fails
     over_load: list[Endpoint]  # dropped by the in-flight bound
     over_share: list[Endpoint]  # dropped by the share bound
+    over_conversations: list[Endpoint]  # dropped by the conversation bound
 
 
 @dataclass(slots=True)
@@ -164,6 +166,7 @@ class Router:
             settings.fit_window_seconds,
             self.over_pool,
         )
+        self.conversations = conversation_bound(settings.conversation_bound, settings.fit_window_seconds)
         self.policy = POLICIES[settings.policy](self)
         adm = settings.admission
         self.gate = Gate(
@@ -205,6 +208,7 @@ class Router:
         for scorer, _ in self.scorers:
             scorer.on_removed(ep)
         self.share.on_removed(ep)
+        self.conversations.on_removed(ep)
 
     def _scorer(self, kind: type[_S]) -> _S | None:
         return next((s for s, _ in self.scorers if isinstance(s, kind)), None)
@@ -618,6 +622,7 @@ class Router:
         now = time.monotonic()
         for scorer, _ in self.scorers:
             scorer.on_hashed(ep, now, hashes)
+        self.conversations.on_hashed(ep, now, hashes)
         pred = decision.prediction
         if pred is not None and not pred.dead and pred.endpoint == ep.url:
             # Until the same moment as the leading blocks' prediction: the request's first token, or the
@@ -634,14 +639,17 @@ class Router:
         return frozenset(ep.url for ep in eps if fit.fits(ep, rreq.now, fit.added_blocks(rreq, ep)))
 
     def _rank(self, rreq: RouteRequest, eps: list[Endpoint]) -> _Ranking:
-        """The scorers' ranking of the endpoints the load and share bounds keep, and those they drop."""
+        """The scorers' ranking of the endpoints the load, share and conversation bounds keep, and
+        those they drop."""
         under_load = self.bounded.filter(rreq, eps)
-        kept = self.share.filter(rreq, under_load)
+        under_share = self.share.filter(rreq, under_load)
+        kept = self.conversations.filter(rreq, under_share)
         return _Ranking(
             pick(rreq, kept, self.scorers),
             sorted((ep for ep in eps if ep not in kept), key=lambda ep: ep.load),
             [ep for ep in eps if ep not in under_load],
-            [ep for ep in under_load if ep not in kept],
+            [ep for ep in under_load if ep not in under_share],
+            [ep for ep in under_share if ep not in kept],
         )
 
     def retry_order(self, decision: Decision, left: list[Endpoint]) -> list[Endpoint]:
@@ -689,8 +697,10 @@ class Router:
 
         reason = first(EXPLAIN_BEFORE_BOUNDED)
         if reason is None and best:
-            reason = self.bounded.explain(ranking.over_load, matches) or self.share.explain(
-                ranking.over_share, matches
+            reason = (
+                self.bounded.explain(ranking.over_load, matches)
+                or self.share.explain(ranking.over_share, matches)
+                or self.conversations.explain(ranking.over_conversations, matches)
             )
         reason = reason or first(EXPLAIN_AFTER_BOUNDED)
         if reason is not None:
@@ -713,6 +723,7 @@ class Router:
             for scorer, _ in self.scorers:
                 scorer.on_routed(ep, now, hashes)
             self.share.on_routed(ep, now)
+            self.conversations.on_routed(ep, now, hashes)
         if not decision.hashes:
             return
         if decision.approximate:

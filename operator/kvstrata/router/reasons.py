@@ -12,6 +12,8 @@ class Reason(StrEnum):
     SESSION = "session"  # the session id's rendezvous endpoint
     BOUNDED_LOAD = "bounded-load"  # the holder was over its load bound
     SHARE_BOUND = "share-bound"  # the holder, short of room, had more than its share of recent requests
+    # a new conversation left an engine serving more than its fair share of live conversations
+    CONVERSATION_BOUND = "conversation-bound"
     QUEUE = "queue"  # the prefill queued at the holder outweighed its match
     RECENT = "recent"  # fewer live conversations decided it
     CACHE_ROOM = "cache-room"  # a new prefix went where the cache has most room

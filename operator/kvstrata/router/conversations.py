@@ -1,0 +1,156 @@
+"""Live conversations per engine, and the bound that places a new conversation by them.
+
+A conversation is a chain of prompts, each extending the one before: the router sees it as the last
+full block hash of each prompt it routed (the conversation's *tip*). A prompt whose blocks contain a
+live tip continues that conversation; any other prompt opens one. The tracker keeps, per engine, the
+tips routed there within ``window_s`` seconds.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvstrata.router.index import PrefixMatch
+from kvstrata.router.pool import Endpoint, faded
+from kvstrata.router.reasons import Reason
+from kvstrata.router.scoring import RouteRequest
+
+
+@dataclass(slots=True)
+class ConversationTracker:
+    window_s: float
+    # Tip hash -> (endpoint URL, when last routed; monotonic), oldest first.
+    tips: OrderedDict[int, tuple[str, float]] = field(default_factory=OrderedDict)
+    live: dict[str, int] = field(default_factory=dict)
+    # Prompts that continued a live conversation, and conversations that went quiet for a window, each
+    # fading over the window, as of the monotonic time beside them.
+    follows: tuple[float, float] = (0.0, 0.0)
+    ended: tuple[float, float] = (0.0, 0.0)
+
+    def continued_tip(self, hashes: Sequence[int]) -> int | None:
+        """The live tip ``hashes`` contain (the conversation this prompt continues), or None.
+
+        Scanned from the end: a follow-up holds its conversation's tip a few blocks before its own."""
+        tips = self.tips
+        for h in reversed(hashes):
+            if h in tips:
+                return h
+        return None
+
+    def expire(self, now: float) -> None:
+        cutoff = now - self.window_s
+        tips = self.tips
+        while tips:
+            tip, (url, at) = next(iter(tips.items()))
+            if at >= cutoff:
+                break
+            del tips[tip]
+            self._leave(url)
+            self.ended = self._bump(self.ended, at)  # dated at its last turn, as a follow-up is
+
+    def live_on(self, url: str, now: float) -> int:
+        self.expire(now)
+        return self.live.get(url, 0)
+
+    def mostly_multi_turn(self, now: float) -> bool:
+        """Lately at least as many prompts continued a conversation as conversations ended: prompts are
+        conversations with follow-ups, so where one opens decides where its later turns go (also with
+        no evidence yet, the state of a fresh router)."""
+        self.expire(now)
+        return self._at(self.follows, now) >= self._at(self.ended, now) - 1e-9
+
+    def routed(self, url: str, now: float, hashes: Sequence[int], *, counted: bool = True) -> None:
+        """A prompt with these block hashes went to ``url``. ``counted=False``: the same prompt's full
+        hashes after it was routed on its leading blocks (not a new follow-up)."""
+        if not hashes:
+            return
+        self.expire(now)
+        tip = hashes[-1]
+        prior = self.continued_tip(hashes)
+        if prior is not None:
+            old_url, _ = self.tips.pop(prior)
+            self._leave(old_url)
+            if counted and prior != tip:
+                self.follows = self._bump(self.follows, now)
+        self.tips[tip] = (url, now)
+        self.live[url] = self.live.get(url, 0) + 1
+
+    def forget(self, url: str) -> None:
+        """``url`` left the pool: its conversations open anew wherever they go next."""
+        for tip in [t for t, (u, _) in self.tips.items() if u == url]:
+            del self.tips[tip]
+        self.live.pop(url, None)
+
+    def _leave(self, url: str) -> None:
+        n = self.live.get(url, 0) - 1
+        if n > 0:
+            self.live[url] = n
+        else:
+            self.live.pop(url, None)
+
+    def _at(self, counter: tuple[float, float], now: float) -> float:
+        value, at = counter
+        return faded(value, now - at, self.window_s)
+
+    def _bump(self, counter: tuple[float, float], at: float) -> tuple[float, float]:
+        """``counter`` with one more event at ``at`` (which may precede the counter's own time)."""
+        value, ref = counter
+        if at >= ref:
+            return (faded(value, at - ref, self.window_s) + 1.0, at)
+        return (value + faded(1.0, ref - at, self.window_s), ref)
+
+
+@dataclass(slots=True)
+class ConversationBoundFilter:
+    """A new conversation goes to an engine serving at most its fair share of the live conversations,
+    plus one: with N conversations live on n engines (the new one counted), engines already serving
+    floor(N / n) + 1 are dropped for it.
+
+    Prefix affinity places a tenant's conversations where its system prompt is. With four tenants on
+    three engines one engine gets two tenants, so twice the conversations of the others, and every one
+    of them grows turn by turn in that engine's pool (family draw 409: 4/2/2 conversations, the engine
+    with four thrashed and held requests up to 7 s, for a 256-token system prompt its new conversation
+    saved once). A conversation's later turns stay where it opened, so the place to even the load is
+    where it opens, at the price of one prefill of the prefix it shares. The slack of one lets a
+    tenant's users open together (a strict bound would split the first two apart).
+
+    Follow-ups are never moved (their own blocks decide), nor are prompts when the recent ones show
+    single requests rather than conversations (:meth:`ConversationTracker.mostly_multi_turn`): there
+    the bound would spread a shared document by request count. Never filters everything out; filters
+    nothing while ``enabled`` is False (``conversationBound``)."""
+
+    enabled: bool
+    tracker: ConversationTracker
+    name: str = "conversation_bound"
+
+    def filter(self, req: RouteRequest, eps: Sequence[Endpoint]) -> list[Endpoint]:
+        if not self.enabled or len(eps) < 2 or req.approximate or not req.hashes:
+            return list(eps)
+        t = self.tracker
+        if t.continued_tip(req.hashes) is not None or not t.mostly_multi_turn(req.now):
+            return list(eps)
+        counts = [t.live_on(ep.url, req.now) for ep in eps]
+        cap = (sum(counts) + 1) // len(eps) + 1
+        kept = [ep for ep, n in zip(eps, counts, strict=True) if n + 1 <= cap]
+        return kept or list(eps)
+
+    def on_routed(self, ep: Endpoint, now: float, hashes: Sequence[int]) -> None:
+        if self.enabled:
+            self.tracker.routed(ep.url, now, hashes)
+
+    def on_hashed(self, ep: Endpoint, now: float, hashes: Sequence[int]) -> None:
+        if self.enabled:
+            self.tracker.routed(ep.url, now, hashes, counted=False)
+
+    def on_removed(self, ep: Endpoint) -> None:
+        self.tracker.forget(ep.url)
+
+    def explain(self, dropped: Sequence[Endpoint], matches: dict[str, PrefixMatch]) -> Reason | None:
+        """The bound decided when it dropped an endpoint that holds part of the prompt."""
+        return Reason.CONVERSATION_BOUND if any(matches.get(ep.url) for ep in dropped) else None
+
+
+def conversation_bound(enabled: bool, window_s: float) -> ConversationBoundFilter:
+    return ConversationBoundFilter(enabled, ConversationTracker(window_s))

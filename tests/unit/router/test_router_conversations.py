@@ -1,0 +1,106 @@
+"""The conversation tracker and the conversation bound alone, then through the router's decisions."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from test_router_scoring import _req, _router
+
+from kvstrata.router.conversations import ConversationTracker, conversation_bound
+from kvstrata.router.index import PrefixMatch
+from kvstrata.router.pool import Endpoint, EndpointSpec
+from kvstrata.router.reasons import Reason
+from kvstrata.router.scoring import RouteRequest
+
+
+def test_a_prompt_continuing_a_tip_moves_the_conversation_and_counts_a_follow_up() -> None:
+    t = ConversationTracker(window_s=30.0)
+    t.routed("a", 0.0, [1, 2, 3])
+    t.routed("b", 0.0, [1, 2, 7])  # the same system prompt, another user: a second conversation
+    assert (t.live_on("a", 0.0), t.live_on("b", 0.0)) == (1, 1)
+    assert t.continued_tip([1, 2, 3, 4, 5]) == 3 and t.continued_tip([1, 2, 8]) is None
+    # The next turn of the first conversation, retried on b: it leaves a.
+    t.routed("b", 1.0, [1, 2, 3, 4, 5])
+    assert (t.live_on("a", 1.0), t.live_on("b", 1.0)) == (0, 2)
+    assert t.follows[0] == 1.0 and t.ended[0] == 0.0
+    # The same prompt's full hashes after its leading blocks (on_hashed): no follow-up counted.
+    t.routed("b", 1.0, [1, 2, 3, 4, 5, 6], counted=False)
+    assert t.live_on("b", 1.0) == 2 and t.follows[0] == 1.0
+
+
+def test_conversations_quiet_for_a_window_end_and_single_requests_turn_the_bound_off() -> None:
+    t = ConversationTracker(window_s=10.0)
+    for i in range(4):  # four one-shot prompts over a shared document: none is ever continued
+        t.routed("a", float(i), [1, 2, 100 + i])
+    assert t.mostly_multi_turn(5.0)  # no evidence yet
+    assert t.live_on("a", 12.5) == 1  # three ended
+    assert not t.mostly_multi_turn(12.5)
+    # Conversations of two turns: one follow-up per conversation that ends, so the bound holds.
+    c = ConversationTracker(window_s=10.0)
+    for i in range(4):
+        c.routed("a", float(i), [1, 100 + i])
+        c.routed("a", float(i) + 0.5, [1, 100 + i, 200 + i])
+    assert c.live_on("a", 14.0) == 0 and c.mostly_multi_turn(14.0)
+    c.forget("a")
+    assert not c.tips and c.live_on("a", 14.0) == 0
+
+
+def _eps() -> list[Endpoint]:
+    return [Endpoint(EndpointSpec(u)) for u in ("a", "b", "c")]
+
+
+def test_a_new_conversation_skips_engines_at_their_fair_share_plus_one() -> None:
+    f = conversation_bound(True, 30.0)
+    eps = _eps()
+    for url, n in (("a", 3), ("b", 2), ("c", 2)):
+        for i in range(n):
+            f.tracker.routed(url, 0.0, [ord(url) * 100 + i])
+    new = RouteRequest(hashes=[9, 10], now=1.0)
+    # 7 live + this one on 3 engines: floor(8 / 3) + 1 = 3, and a already serves 3.
+    assert [e.url for e in f.filter(new, eps)] == ["b", "c"]
+    assert f.explain([eps[0]], {"a": PrefixMatch(1)}) is Reason.CONVERSATION_BOUND
+    assert f.explain([eps[0]], {"b": PrefixMatch(1)}) is None
+    # A follow-up of a's conversation is never moved, nor is anything while the bound is off.
+    assert len(f.filter(RouteRequest(hashes=[ord("a") * 100, 5], now=1.0), eps)) == 3
+    assert len(conversation_bound(False, 30.0).filter(new, eps)) == 3
+    # Two live on a, none elsewhere: floor(3 / 3) + 1 = 2, so a tenant's second user may still join a.
+    g = conversation_bound(True, 30.0)
+    g.tracker.routed("a", 0.0, [1])
+    g.tracker.routed("b", 0.0, [2])
+    assert len(g.filter(new, eps)) == 3
+
+
+async def _four_tenants_two_users(**extra: object) -> tuple[list[int], list[str]]:
+    """Four tenants' first users open a conversation each, then their second users, then every
+    conversation sends a second turn: the conversations per engine (sorted) and the reasons."""
+    r = _router("kv-aware", **extra)
+    system = {t: [t * 1000 + i for i in range(8)] for t in range(4)}  # two blocks of 4 each
+    prompts = {
+        (t, u): [*system[t], *[t * 1000 + 100 * (u + 1) + i for i in range(4)]]
+        for t in range(4)
+        for u in range(2)
+    }
+    where: dict[tuple[int, int], Endpoint] = {}
+    reasons = []
+    for u in range(2):
+        for t in range(4):
+            d = await r.decide(_req(prompts[t, u]))
+            where[t, u] = d.order[0]
+            reasons.append(str(d.reason))
+            r.commit(d, d.order[0])
+    for key, tokens in prompts.items():
+        d = await r.decide(_req([*tokens, *[7] * 4]))
+        assert d.order[0] is where[key] and d.reason == "prefix"  # a conversation stays where it opened
+        r.commit(d, d.order[0])
+    r.close()
+    return sorted(Counter(e.url for e in where.values()).values()), reasons
+
+
+async def test_the_bound_evens_the_conversations_a_tenants_system_prompt_would_pile_up() -> None:
+    # Off (the default): each tenant's second user follows its system prompt, so the engine holding
+    # two tenants serves four conversations.
+    per_engine, _ = await _four_tenants_two_users()
+    assert per_engine == [2, 2, 4]
+    per_engine, reasons = await _four_tenants_two_users(conversationBound=True)
+    assert per_engine == [2, 3, 3]
+    assert reasons.count("conversation-bound") == 1, reasons
