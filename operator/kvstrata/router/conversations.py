@@ -61,19 +61,27 @@ class ConversationTracker:
         self.expire(now)
         return self._at(self.follows, now) >= self._at(self.ended, now) - 1e-9
 
-    def routed(self, url: str, now: float, hashes: Sequence[int], *, counted: bool = True) -> None:
-        """A prompt with these block hashes went to ``url``. ``counted=False``: the same prompt's full
-        hashes after it was routed on its leading blocks (not a new follow-up)."""
-        if not hashes:
-            return
-        self.expire(now)
-        tip = hashes[-1]
-        prior = self.continued_tip(hashes)
+    def routed(self, url: str, now: float, hashes: Sequence[int]) -> None:
+        """A prompt with these block hashes went to ``url``."""
+        if hashes:
+            self.expire(now)
+            prior = self.continued_tip(hashes)
+            if prior is not None and prior != hashes[-1]:
+                self.follows = self._bump(self.follows, now)
+            self._place(url, now, prior, hashes[-1])
+
+    def rehashed(self, url: str, now: float, leading: Sequence[int], hashes: Sequence[int]) -> None:
+        """A prompt routed to ``url`` on its ``leading`` blocks has all its ``hashes`` now: its tip moves
+        to its last block (the same conversation, not a follow-up)."""
+        if hashes:
+            self.expire(now)
+            prior = leading[-1] if leading and leading[-1] in self.tips else None
+            self._place(url, now, prior, hashes[-1])
+
+    def _place(self, url: str, now: float, prior: int | None, tip: int) -> None:
         if prior is not None:
             old_url, _ = self.tips.pop(prior)
             self._leave(old_url)
-            if counted and prior != tip:
-                self.follows = self._bump(self.follows, now)
         self.tips[tip] = (url, now)
         self.live[url] = self.live.get(url, 0) + 1
 
@@ -140,9 +148,9 @@ class ConversationBoundFilter:
         if self.enabled:
             self.tracker.routed(ep.url, now, hashes)
 
-    def on_hashed(self, ep: Endpoint, now: float, hashes: Sequence[int]) -> None:
+    def on_hashed(self, ep: Endpoint, now: float, leading: Sequence[int], hashes: Sequence[int]) -> None:
         if self.enabled:
-            self.tracker.routed(ep.url, now, hashes, counted=False)
+            self.tracker.rehashed(ep.url, now, leading, hashes)
 
     def on_removed(self, ep: Endpoint) -> None:
         self.tracker.forget(ep.url)

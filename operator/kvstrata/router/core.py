@@ -611,6 +611,7 @@ class Router:
         self.metrics.prompt_tokens.inc(n)
         if text is not None and len(text) <= _TOKEN_CACHE_MAX_CHARS:
             self._keep_tokens(text, n, hashes)
+        leading = decision.hashes
         decision.hashes, decision.prompt_tokens = hashes, n
         if decision.request is not None:
             decision.request.hashes, decision.request.prompt_tokens = hashes, n
@@ -622,7 +623,7 @@ class Router:
         now = time.monotonic()
         for scorer, _ in self.scorers:
             scorer.on_hashed(ep, now, hashes)
-        self.conversations.on_hashed(ep, now, hashes)
+        self.conversations.on_hashed(ep, now, leading, hashes)
         pred = decision.prediction
         if pred is not None and not pred.dead and pred.endpoint == ep.url:
             # Until the same moment as the leading blocks' prediction: the request's first token, or the

@@ -23,9 +23,12 @@ def test_a_prompt_continuing_a_tip_moves_the_conversation_and_counts_a_follow_up
     t.routed("b", 1.0, [1, 2, 3, 4, 5])
     assert (t.live_on("a", 1.0), t.live_on("b", 1.0)) == (0, 2)
     assert t.follows[0] == 1.0 and t.ended[0] == 0.0
-    # The same prompt's full hashes after its leading blocks (on_hashed): no follow-up counted.
-    t.routed("b", 1.0, [1, 2, 3, 4, 5, 6], counted=False)
-    assert t.live_on("b", 1.0) == 2 and t.follows[0] == 1.0
+    # The same prompt's full hashes after it was routed on its leading blocks: its tip moves to its
+    # last block, and no follow-up is counted.
+    t.routed("a", 2.0, [20, 21])
+    t.rehashed("a", 2.0, [20, 21], [20, 21, 22, 23])
+    assert t.continued_tip([20, 21, 22, 23, 24]) == 23 and 21 not in t.tips
+    assert t.live_on("a", 2.0) == 1 and t.follows[0] == 1.0
 
 
 def test_conversations_quiet_for_a_window_end_and_single_requests_turn_the_bound_off() -> None:

@@ -308,3 +308,26 @@ async def test_a_short_prompt_is_hashed_in_full(router: Router, tok: LocalTokeni
     decision = await router.decide(completion(text))
     assert counter(router) == 0
     assert list(decision.hashes) == list(block_hashes(tok.encode_completion(text), BLOCK))
+
+
+async def test_a_conversation_opened_on_leading_blocks_ends_at_its_full_prompt(tok: LocalTokenizer) -> None:
+    """The conversation bound's tip of a prompt routed on its leading blocks moves to its last block
+    once it is hashed, so the next turn is a follow-up (never bounded), not a new conversation."""
+    settings = RouterSettings.model_validate(
+        {"model": "m", "blockSize": BLOCK, "remoteTokenize": False, "conversationBound": True}
+    )
+    r = Router(settings, RouterMetrics(), tokenizer=tok)
+    r.pool.replace([EndpointSpec(u) for u in URLS])
+    text = document(4, 3000)
+    first = await r.decide(completion(text))
+    leading_tip = first.hashes[-1]
+    r.commit(first, first.order[0])
+    await rest_done(r)
+    tips = r.conversations.tracker.tips
+    assert list(tips) == [first.hashes[-1]] and leading_tip not in tips
+    turn = text + " and then the user asks one more short question about it"
+    second = await r.decide(completion(turn))
+    assert r.conversations.tracker.continued_tip(second.hashes) == first.hashes[-1]
+    r.commit(second, second.order[0])
+    assert r.conversations.tracker.live_on(first.order[0].url, second.request.now) == 1
+    r.close()
