@@ -271,10 +271,12 @@ class RouterSettings(_Wire):
         "requests of a group are not spread",
     )
     conversation_bound: bool = Field(
-        False,
-        description="Off unless set. A prompt that opens a conversation (it continues none routed in the "
-        "last fitWindowSeconds) skips engines already serving floor(N / engines) + 1 of the N live "
-        "conversations: a tenant's conversations no longer pile onto the engine holding its system prompt",
+        True,
+        description="A prompt that opens a conversation (it continues none routed in the last "
+        "fitWindowSeconds) skips engines already serving floor(N / engines) + 1 of the N live "
+        "conversations: a tenant's conversations no longer pile onto the engine holding its system "
+        "prompt. Inactive while recent prompts end more conversations than they continue (one-shot "
+        "requests)",
     )
     fit_window_seconds: float = Field(
         30.0,

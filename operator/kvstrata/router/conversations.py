@@ -121,13 +121,17 @@ class ConversationBoundFilter:
     of them grows turn by turn in that engine's pool (family draw 409: 4/2/2 conversations, the engine
     with four thrashed and held requests up to 7 s, for a 256-token system prompt its new conversation
     saved once). A conversation's later turns stay where it opened, so the place to even the load is
-    where it opens, at the price of one prefill of the prefix it shares. The slack of one lets a
-    tenant's users open together (a strict bound would split the first two apart).
+    where it opens, at the price of one prefill of the prefix it shares. While fewer conversations are
+    live than there are engines each new one goes to an engine serving none (so a second user of a
+    tenant opens beside the first only once every engine serves one); the + 1 lets an engine serve
+    one more than its floor share, so a tenant's next user still joins its system prompt while the
+    split stays within one conversation of even.
 
     Follow-ups are never moved (their own blocks decide), nor are prompts when the recent ones show
     single requests rather than conversations (:meth:`ConversationTracker.mostly_multi_turn`): there
     the bound would spread a shared document by request count. Never filters everything out; filters
-    nothing while ``enabled`` is False (``conversationBound``)."""
+    nothing while ``enabled`` is False (``conversationBound``, on by default: its held-out check in
+    docs/benchmarks.md, twenty-sixth session)."""
 
     enabled: bool
     tracker: ConversationTracker

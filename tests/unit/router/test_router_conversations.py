@@ -66,11 +66,15 @@ def test_a_new_conversation_skips_engines_at_their_fair_share_plus_one() -> None
     # A follow-up of a's conversation is never moved, nor is anything while the bound is off.
     assert len(f.filter(RouteRequest(hashes=[ord("a") * 100, 5], now=1.0), eps)) == 3
     assert len(conversation_bound(False, 30.0).filter(new, eps)) == 3
-    # Two live on a, none elsewhere: floor(3 / 3) + 1 = 2, so a tenant's second user may still join a.
+    # One live on a and one on b: floor(3 / 3) + 1 = 2, so a tenant's next user may still join a; with
+    # one live on a alone, floor(2 / 3) + 1 = 1 and it opens on an engine serving none.
     g = conversation_bound(True, 30.0)
     g.tracker.routed("a", 0.0, [1])
     g.tracker.routed("b", 0.0, [2])
     assert len(g.filter(new, eps)) == 3
+    h = conversation_bound(True, 30.0)
+    h.tracker.routed("a", 0.0, [1])
+    assert [e.url for e in h.filter(new, eps)] == ["b", "c"]
 
 
 async def _four_tenants_two_users(**extra: object) -> tuple[list[int], list[str]]:
@@ -100,10 +104,10 @@ async def _four_tenants_two_users(**extra: object) -> tuple[list[int], list[str]
 
 
 async def test_the_bound_evens_the_conversations_a_tenants_system_prompt_would_pile_up() -> None:
-    # Off (the default): each tenant's second user follows its system prompt, so the engine holding
-    # two tenants serves four conversations.
-    per_engine, _ = await _four_tenants_two_users()
+    # Off: each tenant's second user follows its system prompt, so the engine holding two tenants
+    # serves four conversations.
+    per_engine, _ = await _four_tenants_two_users(conversationBound=False)
     assert per_engine == [2, 2, 4]
-    per_engine, reasons = await _four_tenants_two_users(conversationBound=True)
+    per_engine, reasons = await _four_tenants_two_users()  # on by default
     assert per_engine == [2, 3, 3]
     assert reasons.count("conversation-bound") == 1, reasons
