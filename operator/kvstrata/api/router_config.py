@@ -274,7 +274,7 @@ class RouterSettings(_Wire):
         True,
         description="A prompt that opens a conversation (it continues none routed in the last "
         "fitWindowSeconds) skips engines already serving floor(N / engines) + 1 of the N live "
-        "conversations: a tenant's conversations no longer pile onto the engine holding its system "
+        "conversations, itself counted: a tenant's conversations no longer pile onto the engine holding its system "
         "prompt. Inactive while recent prompts end more conversations than they continue (one-shot "
         "requests)",
     )

@@ -99,7 +99,7 @@ def _settle_rest(
 @dataclass(frozen=True, slots=True)
 class _Ranking:
     ranked: list[Ranked]
-    dropped: list[Endpoint]  # by either bound, least loaded first: retries if all else fails
+    dropped: list[Endpoint]  # by any bound, least loaded first: retries if all else fails
     over_load: list[Endpoint]  # dropped by the in-flight bound
     over_share: list[Endpoint]  # dropped by the share bound
     over_conversations: list[Endpoint]  # dropped by the conversation bound
