@@ -27,9 +27,8 @@ PEER_POLICIES = {
 # paired per draw like a peer (the router's settings come from KVSTRATA_ROUTER_<FIELD> variables).
 KVSTRATA_VARIANTS: dict[str, dict[str, str]] = {
     "no-admission": {"KVSTRATA_ROUTER_ADMISSION": '{"enabled": false}'},
-    # Without the conversation bound (conversationBound, on by default since its held-out check in the
-    # twenty-sixth session, which ran it as `@conversation-bound` against the default of then).
-    "no-conversation-bound": {"KVSTRATA_ROUTER_CONVERSATION_BOUND": "false"},
+    # The conversation bound (conversationBound, off by default; twenty-sixth session).
+    "conversation-bound": {"KVSTRATA_ROUTER_CONVERSATION_BOUND": "true"},
     # The rent-or-buy move of a held request (off by default) as it was built.
     "wait-move": {"KVSTRATA_ROUTER_ADMISSION": '{"moveWhenHeldPastPrefill": true}'},
     # Anticipation keeping a room for every group followed in time (seventeenth session), and none at all:

@@ -130,8 +130,9 @@ class ConversationBoundFilter:
     Follow-ups are never moved (their own blocks decide), nor are prompts when the recent ones show
     single requests rather than conversations (:meth:`ConversationTracker.mostly_multi_turn`): there
     the bound would spread a shared document by request count. Never filters everything out; filters
-    nothing while ``enabled`` is False (``conversationBound``, on by default: its held-out check in
-    docs/benchmarks.md, twenty-sixth session)."""
+    nothing while ``enabled`` is False (``conversationBound``, off by default: it passed its held-out
+    check on multi-turn draws, but until a window of evidence says otherwise it takes one-shot requests
+    sharing a document for new conversations and spreads them; docs/router.md)."""
 
     enabled: bool
     tracker: ConversationTracker

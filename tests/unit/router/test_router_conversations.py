@@ -104,10 +104,10 @@ async def _four_tenants_two_users(**extra: object) -> tuple[list[int], list[str]
 
 
 async def test_the_bound_evens_the_conversations_a_tenants_system_prompt_would_pile_up() -> None:
-    # Off: each tenant's second user follows its system prompt, so the engine holding two tenants
-    # serves four conversations.
-    per_engine, _ = await _four_tenants_two_users(conversationBound=False)
+    # Off (the default): each tenant's second user follows its system prompt, so the engine holding
+    # two tenants serves four conversations.
+    per_engine, _ = await _four_tenants_two_users()
     assert per_engine == [2, 2, 4]
-    per_engine, reasons = await _four_tenants_two_users()  # on by default
+    per_engine, reasons = await _four_tenants_two_users(conversationBound=True)
     assert per_engine == [2, 3, 3]
     assert reasons.count("conversation-bound") == 1, reasons

@@ -191,9 +191,6 @@ async def test_a_request_whose_only_match_is_a_prompt_still_being_hashed_waits_f
     rest and then sees the whole shared stretch predicted where the first went."""
     text = document(50, 3000)  # document(s) repeats with period 130: clear of the other tests' seeds
     other = text[:1500] + " and then a different short question about it"
-    # The subject is what the second request matches; placed by the conversation bound it would be a
-    # second conversation sent to an engine serving none (test_router_conversations.py).
-    router.conversations.enabled = False
     release = hold_back_rests(router)
     first = await router.decide(completion(text))
     home = first.order[0]
