@@ -449,7 +449,9 @@ async def test_only_turns_that_lose_their_blocks_get_a_room_kept(stack: Stack, e
     1 and 2 evict turn 1's blocks (the router learns it from the engine's BlockRemoved events); without
     them turn 2 finds its blocks and no room is kept."""
     log = stack.log_dir / f"router-anticipate-evicted-{evicted}.log"
-    settings = {"ADMISSION": '{"anticipateSeconds": 5.0, "anticipateOnlyEvicted": true}'}
+    # The window spans the flood below: three 1,920-token prefills, over 6 s on a slow CPU engine in
+    # float32 (a 5 s window failed there: turn 2 came too late to count as a follow-up at all).
+    settings = {"ADMISSION": '{"anticipateSeconds": 30.0, "anticipateOnlyEvicted": true}'}
     proc, url = await asyncio.to_thread(start_router, stack.engines, stack.model_dir, log, settings)
     rng = random.Random(13 if evicted else 17)
     prompt = [rng.randrange(100, 4000) for _ in range(20 * BLOCK)]

@@ -198,10 +198,13 @@ class AdmissionSettings(_Wire):
     # 1.18x, then 1.07x) for at most +1.2 +- 0.7 points (seventeenth session); kept only for groups
     # whose turns evict each other it passed its rule on 12 held-out pressure draws (+0.3 +- 0.9 points,
     # mean 0.91x, p99 0.98x; nineteenth session, docs/benchmarks.md).
+    # Up to a minute: an agent's next call comes after its tool runs, and a slow engine's turn after a
+    # long prefill elsewhere (a real-engine test on float32 CPU engines waits 6 s between turns). A long
+    # window holds nothing past maxHoldSeconds: a held request then goes to its engine's queue anyway.
     anticipate_seconds: float = Field(
         0.25,
         ge=0,
-        le=5,
+        le=60,
         description="When a request ends and its prefix group's last requests were each followed within "
         "this many seconds by one extending them (agents, closed loops), keep its blocks' room on its "
         "engine that long for the follow-up instead of admitting a held request that would evict them; "
