@@ -8,6 +8,7 @@ tips routed there within ``window_s`` seconds.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -16,6 +17,9 @@ from kvstrata.router.index import PrefixMatch
 from kvstrata.router.pool import Endpoint, faded
 from kvstrata.router.reasons import Reason
 from kvstrata.router.scoring import RouteRequest
+
+# One follow-up a window ago, faded (the counters decay by e per window).
+_ONE_WITHIN_WINDOW = math.exp(-1.0)
 
 
 @dataclass(slots=True)
@@ -55,11 +59,14 @@ class ConversationTracker:
         return self.live.get(url, 0)
 
     def mostly_multi_turn(self, now: float) -> bool:
-        """Lately at least as many prompts continued a conversation as conversations ended: prompts are
-        conversations with follow-ups, so where one opens decides where its later turns go (also with
-        no evidence yet, the state of a fresh router)."""
+        """Lately a prompt continued a conversation (about one within the last window, at least) and at
+        least as many continued as ended: prompts are conversations with follow-ups, so where one opens
+        decides where its later turns go. Not on no evidence, the state of a fresh router: one-shot
+        requests over a shared document look like new conversations until a window shows that none is
+        continued, and spread by count they would copy the document to every engine."""
         self.expire(now)
-        return self._at(self.follows, now) >= self._at(self.ended, now) - 1e-9
+        follows = self._at(self.follows, now)
+        return follows >= _ONE_WITHIN_WINDOW and follows >= self._at(self.ended, now) - 1e-9
 
     def routed(self, url: str, now: float, hashes: Sequence[int]) -> None:
         """A prompt with these block hashes went to ``url``."""
@@ -127,12 +134,11 @@ class ConversationBoundFilter:
     one more than its floor share, so a tenant's next user still joins its system prompt while the
     split stays within one conversation of even.
 
-    Follow-ups are never moved (their own blocks decide), nor are prompts when the recent ones show
-    single requests rather than conversations (:meth:`ConversationTracker.mostly_multi_turn`): there
-    the bound would spread a shared document by request count. Never filters everything out; filters
-    nothing while ``enabled`` is False (``conversationBound``, off by default: it passed its held-out
-    check on multi-turn draws, but until a window of evidence says otherwise it takes one-shot requests
-    sharing a document for new conversations and spreads them; docs/router.md)."""
+    Follow-ups are never moved (their own blocks decide), nor are prompts unless the recent ones show
+    conversations continued at least as often as they ended (:meth:`ConversationTracker.mostly_multi_turn`):
+    one-shot requests sharing a document would be spread by request count, a copy of the document on
+    every engine (the first build acted on no evidence too and split them on a fresh router). Never
+    filters everything out; filters nothing while ``enabled`` is False (``conversationBound``)."""
 
     enabled: bool
     tracker: ConversationTracker

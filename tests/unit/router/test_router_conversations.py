@@ -35,7 +35,7 @@ def test_conversations_quiet_for_a_window_end_and_single_requests_turn_the_bound
     t = ConversationTracker(window_s=10.0)
     for i in range(4):  # four one-shot prompts over a shared document: none is ever continued
         t.routed("a", float(i), [1, 2, 100 + i])
-    assert t.mostly_multi_turn(5.0)  # no evidence yet
+    assert not t.mostly_multi_turn(5.0)  # no evidence yet: nothing continued
     assert t.live_on("a", 12.5) == 1  # three ended
     assert not t.mostly_multi_turn(12.5)
     # Conversations of two turns: one follow-up per conversation that ends, so the bound holds.
@@ -59,27 +59,40 @@ def test_a_new_conversation_skips_engines_at_their_fair_share_plus_one() -> None
         for i in range(n):
             f.tracker.routed(url, 0.0, [ord(url) * 100 + i])
     new = RouteRequest(hashes=[9, 10], now=1.0)
+    # Nothing continued yet: no evidence of conversations, nothing bounded.
+    assert len(f.filter(new, eps)) == 3
+    f.tracker.routed("a", 0.5, [ord("a") * 100, 1])  # a's first conversation's next turn
     # 7 live + this one on 3 engines: floor(8 / 3) + 1 = 3, and a already serves 3.
     assert [e.url for e in f.filter(new, eps)] == ["b", "c"]
     assert f.explain([eps[0]], {"a": PrefixMatch(1)}) is Reason.CONVERSATION_BOUND
     assert f.explain([eps[0]], {"b": PrefixMatch(1)}) is None
     # A follow-up of a's conversation is never moved, nor is anything while the bound is off.
-    assert len(f.filter(RouteRequest(hashes=[ord("a") * 100, 5], now=1.0), eps)) == 3
+    assert len(f.filter(RouteRequest(hashes=[ord("a") * 100, 1, 5], now=1.0), eps)) == 3
     assert len(conversation_bound(False, 30.0).filter(new, eps)) == 3
     # One live on a and one on b: floor(3 / 3) + 1 = 2, so a tenant's next user may still join a; with
     # one live on a alone, floor(2 / 3) + 1 = 1 and it opens on an engine serving none.
     g = conversation_bound(True, 30.0)
     g.tracker.routed("a", 0.0, [1])
+    g.tracker.routed("a", 0.5, [1, 11])
     g.tracker.routed("b", 0.0, [2])
     assert len(g.filter(new, eps)) == 3
     h = conversation_bound(True, 30.0)
     h.tracker.routed("a", 0.0, [1])
+    h.tracker.routed("a", 0.5, [1, 11])
     assert [e.url for e in h.filter(new, eps)] == ["b", "c"]
+    # The evidence fades: over a window after the one follow-up, a conversation live on a no longer
+    # keeps a new one off it (as many continued as ended, but that is one long ago).
+    h.tracker.routed("a", 40.0, [50])
+    assert h.tracker.live_on("a", 41.0) == 1
+    assert len(h.filter(RouteRequest(hashes=[9, 10], now=41.0), eps)) == 3
 
 
-async def _four_tenants_two_users(**extra: object) -> tuple[list[int], list[str]]:
-    """Four tenants' first users open a conversation each, then their second users, then every
-    conversation sends a second turn: the conversations per engine (sorted) and the reasons."""
+async def _four_tenants_two_users(*, evidence: bool, **extra: object) -> tuple[list[int], list[str]]:
+    """Four tenants' first users open a conversation each, then their second users, and every
+    conversation sends a second turn: the conversations per engine (sorted) and the reasons. With
+    ``evidence`` the first users' second turns come before the second users open (family draw 409: the
+    late users came while the early ones' conversations went on); without, every conversation opens
+    before any is continued."""
     r = _router("kv-aware", **extra)
     system = {t: [t * 1000 + i for i in range(8)] for t in range(4)}  # two blocks of 4 each
     prompts = {
@@ -89,16 +102,27 @@ async def _four_tenants_two_users(**extra: object) -> tuple[list[int], list[str]
     }
     where: dict[tuple[int, int], Endpoint] = {}
     reasons = []
-    for u in range(2):
+
+    async def open_(u: int) -> None:
         for t in range(4):
             d = await r.decide(_req(prompts[t, u]))
             where[t, u] = d.order[0]
             reasons.append(str(d.reason))
             r.commit(d, d.order[0])
-    for key, tokens in prompts.items():
-        d = await r.decide(_req([*tokens, *[7] * 4]))
-        assert d.order[0] is where[key] and d.reason == "prefix"  # a conversation stays where it opened
-        r.commit(d, d.order[0])
+
+    async def continue_(u: int) -> None:
+        for t in range(4):
+            d = await r.decide(_req([*prompts[t, u], *[7] * 4]))
+            assert d.order[0] is where[t, u] and d.reason == "prefix"  # a conversation stays where it opened
+            r.commit(d, d.order[0])
+
+    steps = (
+        (open_(0), continue_(0), open_(1), continue_(1))
+        if evidence
+        else (open_(0), open_(1), continue_(0), continue_(1))
+    )
+    for step in steps:
+        await step
     r.close()
     return sorted(Counter(e.url for e in where.values()).values()), reasons
 
@@ -106,8 +130,12 @@ async def _four_tenants_two_users(**extra: object) -> tuple[list[int], list[str]
 async def test_the_bound_evens_the_conversations_a_tenants_system_prompt_would_pile_up() -> None:
     # Off (the default): each tenant's second user follows its system prompt, so the engine holding
     # two tenants serves four conversations.
-    per_engine, _ = await _four_tenants_two_users()
+    per_engine, _ = await _four_tenants_two_users(evidence=True)
     assert per_engine == [2, 2, 4]
-    per_engine, reasons = await _four_tenants_two_users(conversationBound=True)
+    per_engine, reasons = await _four_tenants_two_users(evidence=True, conversationBound=True)
     assert per_engine == [2, 3, 3]
     assert reasons.count("conversation-bound") == 1, reasons
+    # On, but no conversation continued yet (a fresh router): no evidence that these are conversations
+    # rather than one-shot requests sharing a system prompt, so nothing is bounded.
+    per_engine, reasons = await _four_tenants_two_users(evidence=False, conversationBound=True)
+    assert per_engine == [2, 2, 4] and "conversation-bound" not in reasons, reasons
