@@ -278,9 +278,8 @@ class RouterSettings(_Wire):
         description="Off unless set. A prompt that opens a conversation (it continues none routed in the last "
         "fitWindowSeconds) skips engines already serving floor(N / engines) + 1 of the N live "
         "conversations, itself counted: a tenant's conversations no longer pile onto the engine holding its system "
-        "prompt. Inactive while recent prompts end more conversations than they continue, but a fresh "
-        "router has no such evidence for a window, so it splits one-shot requests over a shared "
-        "document at first (docs/router.md)",
+        "prompt. Acts only while a prompt lately continued a conversation and no more ended than "
+        "continued: one-shot requests over a shared document stay together (docs/router.md)",
     )
     fit_window_seconds: float = Field(
         30.0,
