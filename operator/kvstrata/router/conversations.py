@@ -134,8 +134,8 @@ class ConversationBoundFilter:
     one more than its floor share, so a tenant's next user still joins its system prompt while the
     split stays within one conversation of even.
 
-    Follow-ups are never moved (their own blocks decide), nor are prompts unless the recent ones show
-    conversations continued at least as often as they ended (:meth:`ConversationTracker.mostly_multi_turn`):
+    Follow-ups are never moved (their own blocks decide), nor are prompts unless some prompt lately
+    continued a conversation and as many continued as ended (:meth:`ConversationTracker.mostly_multi_turn`):
     one-shot requests sharing a document would be spread by request count, a copy of the document on
     every engine (the first build acted on no evidence too and split them on a fresh router). Never
     filters everything out; filters nothing while ``enabled`` is False (``conversationBound``)."""
