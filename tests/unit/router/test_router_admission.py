@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import pytest
 
 from kvstrata.api.router_config import AdmissionSettings, TierWeights
+from kvstrata.router import admission
 from kvstrata.router.admission import Admitted, Claim, Gate, GateDeps, distinct_blocks
 from kvstrata.router.decision import Decision
 from kvstrata.router.followups import FollowUp
@@ -118,22 +119,40 @@ async def test_when_room_frees_the_cached_prompt_goes_before_an_older_cold_one()
     assert (await asyncio.wait_for(cold, 1)).how is Admitted.QUEUED
 
 
-async def test_a_cold_prompt_held_as_long_as_its_own_prefill_goes_before_cheaper_ones() -> None:
+class FrozenClock:
+    """The gate's monotonic clock, moved only by the test: who is overdue depends on waits measured
+    against the engine's pace, and a real clock lets a collector pause of tens of ms decide it."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def monotonic(self) -> float:
+        return self.t
+
+
+async def test_a_cold_prompt_held_as_long_as_its_own_prefill_goes_before_cheaper_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Overdue: cheapest-first would keep the cold prompt waiting for as long as warm follow-ups came;
     once it has waited as long as its prefill takes at the engine's pace, it goes first."""
+    clock = FrozenClock()
+    monkeypatch.setattr(admission, "time", clock)
     w = World(10, settings=AdmissionSettings(overdue_after_prefills=1.0, anticipate_seconds=0))
     w.eps[0].pace.observe(BS, BS * 0.002)  # 2 ms a token: 8 cold blocks 512 ms, one new block 64 ms
     running = await w.gate.admit(w.decision(hashes(1, 8), 0), 0)
     cold = asyncio.ensure_future(w.gate.admit(w.decision(hashes(2, 8), 0), 0))
     w.held["http://e0"].update(hashes(3, 8))  # the engine holds the follow-ups' prefix
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0)
+    clock.t += 0.01
     warm = asyncio.ensure_future(w.gate.admit(w.decision(extend(hashes(3, 8), 1), 0), 0))
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0)
+    clock.t += 0.01
     w.gate.release(running.claim)  # neither has waited its own prefill: the cheaper one goes
     first = await asyncio.wait_for(warm, 1)
     assert first.how is Admitted.QUEUED and not cold.done()
     later = asyncio.ensure_future(w.gate.admit(w.decision(extend(hashes(3, 8), 2), 0), 0))
-    await asyncio.sleep(0.55)  # past the cold prompt's own prefill
+    await asyncio.sleep(0)
+    clock.t += 0.55  # past the cold prompt's own prefill
     w.gate.release(first.claim)
     grant = await asyncio.wait_for(cold, 1)
     assert grant.how is Admitted.OVERDUE and grant.endpoint is w.eps[0] and not later.done()

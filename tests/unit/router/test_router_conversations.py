@@ -116,13 +116,14 @@ async def _four_tenants_two_users(*, evidence: bool, **extra: object) -> tuple[l
             assert d.order[0] is where[t, u] and d.reason == "prefix"  # a conversation stays where it opened
             r.commit(d, d.order[0])
 
+    # (step, user) pairs, not coroutines made up front: after a failed step the rest would go unawaited.
     steps = (
-        (open_(0), continue_(0), open_(1), continue_(1))
+        ((open_, 0), (continue_, 0), (open_, 1), (continue_, 1))
         if evidence
-        else (open_(0), open_(1), continue_(0), continue_(1))
+        else ((open_, 0), (open_, 1), (continue_, 0), (continue_, 1))
     )
-    for step in steps:
-        await step
+    for step, user in steps:
+        await step(user)
     r.close()
     return sorted(Counter(e.url for e in where.values()).values()), reasons
 
