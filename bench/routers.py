@@ -29,6 +29,9 @@ KVSTRATA_VARIANTS: dict[str, dict[str, str]] = {
     "no-admission": {"KVSTRATA_ROUTER_ADMISSION": '{"enabled": false}'},
     # The conversation bound (conversationBound, off by default; twenty-sixth session).
     "conversation-bound": {"KVSTRATA_ROUTER_CONVERSATION_BOUND": "true"},
+    # The fit scorer's projection of live conversations' next turns (projectedFit, off by default;
+    # twenty-eighth session).
+    "projected-fit": {"KVSTRATA_ROUTER_PROJECTED_FIT": "true"},
     # The rent-or-buy move of a held request (off by default) as it was built.
     "wait-move": {"KVSTRATA_ROUTER_ADMISSION": '{"moveWhenHeldPastPrefill": true}'},
     # Anticipation keeping a room for every group followed in time (seventeenth session), and none at all:

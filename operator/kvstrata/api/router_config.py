@@ -281,6 +281,13 @@ class RouterSettings(_Wire):
         "prompt. Acts only while a prompt lately continued a conversation and no more ended than "
         "continued: one-shot requests over a shared document stay together (docs/router.md)",
     )
+    projected_fit: bool = Field(
+        False,
+        description="Off unless set. The fit scorer's demand on an engine also counts the blocks its live "
+        "conversations are expected to add with their next turns (their recent mean growth per turn, times "
+        "the share of conversations continued rather than ended): a new conversation goes where it still fits "
+        "once the others have grown (docs/router.md)",
+    )
     fit_window_seconds: float = Field(
         30.0,
         gt=0,

@@ -32,15 +32,22 @@ class ConversationTracker:
     # fading over the window, as of the monotonic time beside them.
     follows: tuple[float, float] = (0.0, 0.0)
     ended: tuple[float, float] = (0.0, 0.0)
+    # The blocks those follow-ups added past their conversation's tip, faded alike: over ``follows``, the
+    # recent mean growth of a turn.
+    grown: tuple[float, float] = (0.0, 0.0)
 
     def continued_tip(self, hashes: Sequence[int]) -> int | None:
-        """The live tip ``hashes`` contain (the conversation this prompt continues), or None.
+        """The live tip ``hashes`` contain (the conversation this prompt continues), or None."""
+        at = self._continued_at(hashes)
+        return None if at is None else hashes[at]
 
-        Scanned from the end: a follow-up holds its conversation's tip a few blocks before its own."""
+    def _continued_at(self, hashes: Sequence[int]) -> int | None:
+        """Where in ``hashes`` a live tip is. Scanned from the end: a follow-up holds its
+        conversation's tip a few blocks before its own."""
         tips = self.tips
-        for h in reversed(hashes):
-            if h in tips:
-                return h
+        for i in range(len(hashes) - 1, -1, -1):
+            if hashes[i] in tips:
+                return i
         return None
 
     def expire(self, now: float) -> None:
@@ -68,13 +75,36 @@ class ConversationTracker:
         follows = self._at(self.follows, now)
         return follows >= _ONE_WITHIN_WINDOW and follows >= self._at(self.ended, now) - 1e-9
 
+    def next_turn_blocks(self, now: float) -> float:
+        """The blocks a live conversation is expected to add with its next turn: the recent mean growth
+        of a follow-up, times the share of conversations that were continued rather than ended (0 on
+        no evidence: a fresh router, or one-shot requests)."""
+        self.expire(now)
+        follows = self._at(self.follows, now)
+        if follows < _ONE_WITHIN_WINDOW:
+            return 0.0
+        # (grown / follows) per follow-up, times follows / (follows + ended) continued
+        return self._at(self.grown, now) / (follows + self._at(self.ended, now))
+
+    def next_turn_growth(self, urls: Sequence[str], now: float, hashes: Sequence[int]) -> dict[str, float]:
+        """Per engine, the blocks its live conversations are expected to add with their next turns,
+        not counting the one ``hashes`` continues (its growth is the prompt itself); {} on no evidence."""
+        per = self.next_turn_blocks(now)
+        if per <= 0.0:
+            return {}
+        tip = self.continued_tip(hashes)
+        own = None if tip is None else self.tips[tip][0]
+        return {u: (self.live_on(u, now) - (u == own)) * per for u in urls}
+
     def routed(self, url: str, now: float, hashes: Sequence[int]) -> None:
         """A prompt with these block hashes went to ``url``."""
         if hashes:
             self.expire(now)
-            prior = self.continued_tip(hashes)
-            if prior is not None and prior != hashes[-1]:
+            at = self._continued_at(hashes)
+            prior = None if at is None else hashes[at]
+            if at is not None and at != len(hashes) - 1:
                 self.follows = self._bump(self.follows, now)
+                self.grown = self._bump(self.grown, now, float(len(hashes) - 1 - at))
             self._place(url, now, prior, hashes[-1])
 
     def rehashed(self, url: str, now: float, leading: Sequence[int], hashes: Sequence[int]) -> None:
@@ -109,12 +139,12 @@ class ConversationTracker:
         value, at = counter
         return faded(value, now - at, self.window_s)
 
-    def _bump(self, counter: tuple[float, float], at: float) -> tuple[float, float]:
-        """``counter`` with one more event at ``at`` (which may precede the counter's own time)."""
+    def _bump(self, counter: tuple[float, float], at: float, by: float = 1.0) -> tuple[float, float]:
+        """``counter`` with ``by`` more at ``at`` (which may precede the counter's own time)."""
         value, ref = counter
         if at >= ref:
-            return (faded(value, at - ref, self.window_s) + 1.0, at)
-        return (value + faded(1.0, ref - at, self.window_s), ref)
+            return (faded(value, at - ref, self.window_s) + by, at)
+        return (value + faded(by, ref - at, self.window_s), ref)
 
 
 @dataclass(slots=True)
@@ -138,10 +168,12 @@ class ConversationBoundFilter:
     continued a conversation and as many continued as ended (:meth:`ConversationTracker.mostly_multi_turn`):
     one-shot requests sharing a document would be spread by request count, a copy of the document on
     every engine (the first build acted on no evidence too and split them on a fresh router). Never
-    filters everything out; filters nothing while ``enabled`` is False (``conversationBound``)."""
+    filters everything out; filters nothing while ``enabled`` is False (``conversationBound``).
+    ``track``: the tracker is fed (for the bound, or for the fit scorer's projection, ``projectedFit``)."""
 
     enabled: bool
     tracker: ConversationTracker
+    track: bool
     name: str = "conversation_bound"
 
     def filter(self, req: RouteRequest, eps: Sequence[Endpoint]) -> list[Endpoint]:
@@ -156,11 +188,11 @@ class ConversationBoundFilter:
         return kept or list(eps)
 
     def on_routed(self, ep: Endpoint, now: float, hashes: Sequence[int]) -> None:
-        if self.enabled:
+        if self.track:
             self.tracker.routed(ep.url, now, hashes)
 
     def on_hashed(self, ep: Endpoint, now: float, leading: Sequence[int], hashes: Sequence[int]) -> None:
-        if self.enabled:
+        if self.track:
             self.tracker.rehashed(ep.url, now, leading, hashes)
 
     def on_removed(self, ep: Endpoint) -> None:
@@ -171,5 +203,6 @@ class ConversationBoundFilter:
         return Reason.CONVERSATION_BOUND if any(matches.get(ep.url) for ep in dropped) else None
 
 
-def conversation_bound(enabled: bool, window_s: float) -> ConversationBoundFilter:
-    return ConversationBoundFilter(enabled, ConversationTracker(window_s))
+def conversation_bound(enabled: bool, window_s: float, track: bool = False) -> ConversationBoundFilter:
+    """The bound (on with ``enabled``); its tracker is fed while the bound or ``track`` is on."""
+    return ConversationBoundFilter(enabled, ConversationTracker(window_s), enabled or track)

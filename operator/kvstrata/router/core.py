@@ -166,7 +166,9 @@ class Router:
             settings.fit_window_seconds,
             self.over_pool,
         )
-        self.conversations = conversation_bound(settings.conversation_bound, settings.fit_window_seconds)
+        self.conversations = conversation_bound(
+            settings.conversation_bound, settings.fit_window_seconds, track=settings.projected_fit
+        )
         self.policy = POLICIES[settings.policy](self)
         adm = settings.admission
         self.gate = Gate(
@@ -574,6 +576,10 @@ class Router:
         )
         if self.settings.copy_with_room:
             rreq.with_room = self._with_room(rreq, eps)
+        if self.settings.projected_fit and not approximate:
+            rreq.growth = self.conversations.tracker.next_turn_growth(
+                [ep.url for ep in eps], rreq.now, hashes
+            )
         ranking = self._rank(rreq, eps)
         ranked = ranking.ranked
         order = [r.endpoint for r in ranked] + ranking.dropped  # dropped: a retry if all else fails
@@ -590,6 +596,7 @@ class Router:
                     f"{r.endpoint.url} total={r.total:.3f} "
                     + " ".join(f"{k}={v:.3f}" for k, v in r.scores.items())
                     + f" match={matches.get(r.endpoint.url, PrefixMatch(0)).blocks}"
+                    + (f" growth={g:.1f}" if (g := rreq.growth.get(r.endpoint.url)) else "")
                     for r in ranked
                 ),
             )

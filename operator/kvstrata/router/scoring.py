@@ -47,6 +47,9 @@ class RouteRequest:
     # Endpoints whose KV pool has room for the blocks this prompt would add there (FitScorer.fits);
     # filled only with ``copyWithRoom``.
     with_room: frozenset[str] = frozenset()
+    # Per endpoint, the blocks its live conversations are expected to add with their next turns
+    # (ConversationTracker.next_turn_growth); filled only with ``projectedFit``.
+    growth: dict[str, float] = field(default_factory=dict)
 
     def block_count(self) -> int:
         """The prompt's full blocks (estimated while only the leading ones are hashed)."""
@@ -295,7 +298,11 @@ class FitScorer(ScorerHooks):
     memory pressure this packs prefix groups so that most engines keep theirs, instead of spreading
     them evenly until every engine evicts what its next request needs (seen in the family benchmark:
     kvstrata's index predicted 61 % cached tokens where the engines then reported 29 %, with prefix
-    groups evenly spread at 3 per engine). Silent when all scores are equal or a pool size is unknown."""
+    groups evenly spread at 3 per engine). Silent when all scores are equal or a pool size is unknown.
+
+    With ``projectedFit`` the demand also counts what the engine's live conversations will add with
+    their next turns (``RouteRequest.growth``): demand only looks back, and a pool that fits a new
+    conversation now may not fit it once the conversations already there have grown a turn."""
 
     window_s: float
     name: str = "fit"
@@ -342,7 +349,7 @@ class FitScorer(ScorerHooks):
         scores = []
         for ep in eps:
             demand = self.demand_blocks(ep, req.now)  # once: each call expires the window's old blocks
-            if demand + self.added_blocks(req, ep) <= ep.kv_blocks:
+            if demand + req.growth.get(ep.url, 0.0) + self.added_blocks(req, ep) <= ep.kv_blocks:
                 scores.append(1.0)
             else:
                 scores.append(0.5 if demand > ep.kv_blocks else 0.0)

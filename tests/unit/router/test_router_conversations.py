@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from test_router_scoring import _req, _router
 
 from kvstrata.router.conversations import ConversationTracker, conversation_bound
@@ -140,3 +141,58 @@ async def test_the_bound_evens_the_conversations_a_tenants_system_prompt_would_p
     # rather than one-shot requests sharing a system prompt, so nothing is bounded.
     per_engine, reasons = await _four_tenants_two_users(evidence=False, conversationBound=True)
     assert per_engine == [2, 2, 4] and "conversation-bound" not in reasons, reasons
+
+
+def test_a_turns_expected_growth_is_the_mean_growth_of_follow_ups_times_the_share_continued() -> None:
+    t = ConversationTracker(window_s=1000.0)  # a long window: the counters hardly fade in this test
+    t.routed("a", 0.0, [1, 2])
+    t.routed("b", 0.0, [5, 6])
+    assert t.next_turn_blocks(0.0) == 0.0 and t.next_turn_growth(["a", "b"], 0.0, [9]) == {}  # no evidence
+    t.routed("a", 1.0, [1, 2, 3, 4])  # two blocks past its tip
+    t.routed("b", 1.0, [5, 6, 7, 8, 9, 10])  # four
+    assert t.next_turn_blocks(1.0) == pytest.approx(3.0, rel=1e-2)  # all continued: the mean growth
+    # A new prompt: every live conversation counts; a follow-up: not its own conversation.
+    assert t.next_turn_growth(["a", "b", "c"], 1.0, [9]) == pytest.approx(
+        {"a": 3.0, "b": 3.0, "c": 0.0}, rel=1e-2
+    )
+    assert t.next_turn_growth(["a", "b"], 1.0, [1, 2, 3, 4, 11]) == pytest.approx(
+        {"a": 0.0, "b": 3.0}, rel=1e-2
+    )
+    # Two conversations that end (quiet for a window) for two continued: half the growth is expected.
+    s = ConversationTracker(window_s=10.0)
+    s.routed("a", 0.0, [1, 2])
+    s.routed("a", 0.1, [1, 2, 3, 4])
+    s.routed("b", 0.0, [5, 6])
+    s.routed("b", 0.1, [5, 6, 7, 8])
+    s.routed("c", 9.0, [20])  # keeps the evidence from fading to nothing by the time the two end
+    per = s.next_turn_blocks(10.5)
+    assert s.live_on("a", 10.5) == 0 and per == pytest.approx(2.0 * 2 / (2 + 2), rel=0.05)
+
+
+async def test_projected_fit_keeps_a_tenants_next_user_off_an_engine_its_conversation_will_outgrow() -> None:
+    """A tenant's first conversation grows two blocks a turn on a 10-block pool; its second user shares
+    the system prompt. Demand alone (6 + 3 of 10) says it fits there; with the first conversation's next
+    turn counted (6 + 2 + 3) it does not, and it opens on an engine with room."""
+    system = list(range(8))  # two blocks of 4
+
+    async def second_user(**extra: object) -> tuple[str, str, dict[str, float]]:
+        r = _router("kv-aware", **extra)
+        for ep in r.pool.all():
+            ep.kv_blocks = 10
+        turn1 = [*system, *range(100, 108)]
+        d = await r.decide(_req(turn1))
+        r.commit(d, d.order[0])
+        d = await r.decide(_req([*turn1, *range(200, 208)]))  # its follow-up: two blocks more
+        home = d.order[0]
+        r.commit(d, home)
+        d = await r.decide(_req([*system, *range(300, 312)]))  # the next user: five blocks, two shared
+        r.close()
+        assert d.ranked is not None
+        fit = {ranked.endpoint.url: ranked.scores["fit"] for ranked in d.ranked}
+        return home.url, d.order[0].url, fit
+
+    home, went, fit = await second_user()
+    assert went == home and set(fit.values()) == {0.0}  # fits everywhere: the scorer is silent
+    home, went, fit = await second_user(projectedFit=True)
+    # Not on its home; which of the two others is the tie-break's (rendezvous hash) call.
+    assert went != home and fit[home] == 0.0 and fit[went] == 1.0
