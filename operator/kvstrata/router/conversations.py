@@ -71,17 +71,22 @@ class ConversationTracker:
         decides where its later turns go. Not on no evidence, the state of a fresh router: one-shot
         requests over a shared document look like new conversations until a window shows that none is
         continued, and spread by count they would copy the document to every engine."""
+        follows = self._follows_lately(now)
+        return follows > 0.0 and follows >= self._at(self.ended, now) - 1e-9
+
+    def _follows_lately(self, now: float) -> float:
+        """The faded count of follow-ups, or 0 while it is under about one within the last window: the
+        evidence both the bound and the projection wait for."""
         self.expire(now)
         follows = self._at(self.follows, now)
-        return follows >= _ONE_WITHIN_WINDOW and follows >= self._at(self.ended, now) - 1e-9
+        return follows if follows >= _ONE_WITHIN_WINDOW else 0.0
 
     def next_turn_blocks(self, now: float) -> float:
         """The blocks a live conversation is expected to add with its next turn: the recent mean growth
         of a follow-up, times the share of conversations that were continued rather than ended (0 on
         no evidence: a fresh router, or one-shot requests)."""
-        self.expire(now)
-        follows = self._at(self.follows, now)
-        if follows < _ONE_WITHIN_WINDOW:
+        follows = self._follows_lately(now)
+        if follows == 0.0:
             return 0.0
         # (grown / follows) per follow-up, times follows / (follows + ended) continued
         return self._at(self.grown, now) / (follows + self._at(self.ended, now))
