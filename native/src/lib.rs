@@ -12,7 +12,7 @@ use std::collections::VecDeque;
 
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
-use rustc_hash::{FxHashMap, FxHashSet};
+use rustc_hash::FxHashMap;
 
 // Medium bits, as router/index.py uses them.
 const GPU: u8 = 1;
@@ -41,7 +41,11 @@ fn with_hashes<R>(obj: &Bound<'_, PyAny>, f: impl FnOnce(&[u64]) -> R) -> PyResu
 #[derive(Clone, Copy)]
 struct Entry {
     mask: u8,
-    pred: u64,  // the prediction that set an unconfirmed entry's expiry; 0 = none
+    // Live predictions holding this entry (an unconfirmed entry goes when the last one expires), counted
+    // for the predictions with ids from `born` on: an earlier one predicted an earlier life of the block
+    // (removed since, then added again) and must not end this one.
+    refs: u32,
+    born: u64,
     stamp: u64, // when it was last touched, on the table's own clock
 }
 
@@ -71,9 +75,11 @@ impl BlockTable {
         Some(e)
     }
 
-    fn put(&mut self, h: u64, mask: u8, pred: u64) -> bool {
+    fn put(&mut self, h: u64, mask: u8, refs: u32, born: u64) -> bool {
         let stamp = self.tick();
-        self.map.insert(h, Entry { mask, pred, stamp }).is_none()
+        self.map
+            .insert(h, Entry { mask, refs, born, stamp })
+            .is_none()
     }
 
     fn prefix_of(&mut self, hashes: &[u64]) -> (usize, usize, usize, usize, usize) {
@@ -98,12 +104,9 @@ impl BlockTable {
         let mut added = 0;
         for &h in hashes {
             match self.touch(&h) {
-                Some(e) => {
-                    e.mask = (e.mask | bit) & REAL;
-                    e.pred = 0;
-                }
+                Some(e) => e.mask = (e.mask | bit) & REAL,
                 None => {
-                    self.put(h, bit, 0);
+                    self.put(h, bit, 0, 0);
                     added += 1;
                 }
             }
@@ -132,78 +135,38 @@ impl BlockTable {
         (matched, gone)
     }
 
-    fn predict_all(
-        &mut self,
-        hashes: &[u64],
-        pred: u64,
-        repoint: usize,
-        touched: usize,
-    ) -> (usize, Vec<u64>) {
-        // One probe per block: the predictions of the known leading blocks, where the first unknown
-        // block is, and whether a block after it is known (a hole).
-        let mut head_preds = Vec::with_capacity(hashes.len());
-        let mut known = hashes.len();
-        let mut holes = false;
-        for (i, h) in hashes.iter().enumerate() {
-            match self.map.get(h) {
-                Some(e) if known == hashes.len() => head_preds.push(e.pred),
-                Some(_) => {
-                    holes = true;
-                    break;
-                }
-                None if known == hashes.len() => known = i,
-                None => {}
-            }
-        }
+    fn predict_all(&mut self, hashes: &[u64], pred: u64, touched: usize) -> usize {
         let mut added = 0;
-        let mut olds = Vec::new();
-        if holes {
-            for h in hashes {
-                match self.touch(h) {
-                    Some(e) => {
-                        if e.mask & REAL == 0 {
-                            e.pred = pred;
-                        }
-                    }
-                    None => {
-                        self.put(*h, PREDICTED, pred);
-                        added += 1;
+        for (i, &h) in hashes.iter().enumerate() {
+            // The leading `touched` blocks were just touched by a lookup: most recent already.
+            let stamp = if i < touched { None } else { Some(self.tick()) };
+            match self.map.get_mut(&h) {
+                Some(e) => {
+                    e.refs += 1;
+                    if let Some(stamp) = stamp {
+                        e.stamp = stamp;
                     }
                 }
-            }
-            return (added, olds);
-        }
-        if known <= repoint {
-            for h in &hashes[..known] {
-                if let Some(e) = self.map.get_mut(h) {
-                    if e.mask == PREDICTED {
-                        e.pred = pred;
-                    }
-                }
-            }
-        } else {
-            let mut seen = FxHashSet::default();
-            for p in head_preds {
-                if p != 0 && seen.insert(p) {
-                    olds.push(p);
+                None => {
+                    self.put(h, PREDICTED, 1, pred);
+                    added += 1;
                 }
             }
         }
-        for h in hashes.iter().take(known).skip(touched) {
-            self.touch(h);
-        }
-        for h in &hashes[known..] {
-            if self.put(*h, PREDICTED, pred) {
-                added += 1;
-            }
-        }
-        (added, olds)
+        added
     }
 
     fn expire_all(&mut self, hashes: &[u64], pred: u64) -> usize {
         let mut n = 0;
         for h in hashes {
-            if matches!(self.map.get(h), Some(e) if e.mask == PREDICTED && e.pred == pred) {
+            let Some(e) = self.map.get_mut(h) else {
+                continue;
+            };
+            if e.born > pred || e.refs == 0 {
+                continue;
+            }
+            e.refs -= 1;
+            if e.refs == 0 && e.mask & REAL == 0 {
                 self.map.remove(h);
                 n += 1;
             }
@@ -257,24 +220,15 @@ impl BlockTable {
         with_hashes(hashes, |h| self.remove_all(h, bit))
     }
 
-    /// Record that the endpoint will hold ``hashes`` under prediction ``pred``; ``touched`` leading
-    /// blocks were just touched by a lookup. Returns (blocks added, the distinct earlier predictions of
-    /// the known leading blocks when there are more than ``repoint`` of them). Known blocks then new
-    /// ones (a prompt seen before, maybe extended): up to ``repoint`` known unconfirmed blocks move to
-    /// ``pred``; past that they keep theirs, and the caller makes ``pred`` hold those predictions. Any
-    /// other shape: every unconfirmed known block moves to ``pred``.
-    fn predict(
-        &mut self,
-        hashes: &Bound<'_, PyAny>,
-        pred: u64,
-        repoint: usize,
-        touched: usize,
-    ) -> PyResult<(usize, Vec<u64>)> {
-        with_hashes(hashes, |h| self.predict_all(h, pred, repoint, touched))
+    /// Record that the endpoint will hold ``hashes`` while prediction ``pred`` lives (ids increase with
+    /// every call); ``touched`` leading blocks were just touched by a lookup. New blocks are added as
+    /// unconfirmed; every block gains a holder. Returns how many were added.
+    fn predict(&mut self, hashes: &Bound<'_, PyAny>, pred: u64, touched: usize) -> PyResult<usize> {
+        with_hashes(hashes, |h| self.predict_all(h, pred, touched))
     }
 
-    /// Prediction ``pred`` expired: remove the blocks it still holds (unconfirmed, not predicted
-    /// again since). Returns how many.
+    /// Prediction ``pred`` (which predicted ``hashes``) expired: its blocks lose a holder, and the
+    /// unconfirmed ones left with none are removed. Returns how many.
     fn expire(&mut self, hashes: &Bound<'_, PyAny>, pred: u64) -> PyResult<usize> {
         with_hashes(hashes, |h| self.expire_all(h, pred))
     }
@@ -308,15 +262,6 @@ impl BlockTable {
     fn clear(&mut self) {
         self.map.clear();
         self.oldest.clear();
-    }
-
-    /// (hash, prediction id) of every unconfirmed block.
-    fn predicted(&self) -> Vec<(u64, u64)> {
-        self.map
-            .iter()
-            .filter(|(_, e)| e.mask == PREDICTED && e.pred != 0)
-            .map(|(h, e)| (*h, e.pred))
-            .collect()
     }
 }
 

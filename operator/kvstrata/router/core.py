@@ -637,6 +637,7 @@ class Router:
             # short TTL after it (settle re-times the prediction the decision holds, now this one).
             ttl = self.index.ttl_left(pred)
             decision.prediction = self.index.predict(ep.url, hashes[:_MAX_PREDICTED_BLOCKS], ttl)
+            self.index.retime(pred, 0.0)  # the whole prompt's prediction holds the leading blocks now
 
     def _with_room(self, rreq: RouteRequest, eps: list[Endpoint]) -> frozenset[str]:
         """The endpoints whose pool has room for the blocks the prompt would add there, as the fit

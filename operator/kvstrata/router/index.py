@@ -35,49 +35,23 @@ from kvstrata.router.native import CPU, GPU, STORAGE, BlockTable
 
 REAL = GPU | CPU | STORAGE
 _MEDIUM_BIT = {"GPU": GPU, "CPU": CPU, "STORAGE": STORAGE}
-# Prompts with at most this many known blocks re-point them to the new prediction (cheap); longer ones
-# hold the earlier predictions instead (Prediction.keepers).
-_REPOINT_BLOCKS = 64
 
 
 class Prediction:
-    """One predict() call's expiry, shared by the blocks it predicted: re-timing it (a request's
-    prefill ended) is one assignment, not a walk over a long prompt's blocks.
+    """One predict() call: the blocks it predicted and when they expire. A block lives while any
+    prediction of it does (its table counts them), so the next turn of a conversation, which predicts
+    the earlier turns' blocks again, keeps them alive with no link to the earlier predictions: a turn
+    costs one native pass over its prompt, whatever came before it. Re-timing (a request's prefill
+    ended) is one assignment."""
 
-    A later prediction whose prompt holds this one's blocks (the next turn of a conversation) does not
-    re-point them: it becomes one of this prediction's *keepers*, and the blocks live while this
-    prediction or any keeper does, transitively (:meth:`until`). A turn holds only the earlier
-    predictions no other one it holds already keeps (in a conversation: the previous turn), so each
-    prediction has about one keeper per conversation that extends it, and a turn costs work for its
-    new blocks, not for every earlier turn."""
-
-    __slots__ = ("dead", "endpoint", "expires", "hashes", "id", "keepers", "kept")
+    __slots__ = ("dead", "endpoint", "expires", "hashes", "id")
 
     def __init__(self, id: int, endpoint: str, expires: float, hashes: Sequence[int]) -> None:
-        self.id = id  # what the endpoint's BlockTable records for the blocks this prediction set
+        self.id = id  # increasing: the tables count a prediction only for block lives it saw begin
         self.endpoint = endpoint
         self.expires = expires
         self.hashes = hashes
-        self.keepers: list[Prediction] = []  # later predictions that hold this one's blocks too
-        self.kept: list[Prediction] = []  # earlier predictions this one holds directly
         self.dead = False
-
-    def until(self) -> float:
-        """When this prediction's blocks expire: the latest expiry among it and its live keepers,
-        theirs, and so on (iterative: a conversation of thousands of turns is a chain that long)."""
-        end = self.expires
-        stack = [self]
-        seen = {self.id}
-        while stack:
-            p = stack.pop()
-            if p.keepers:
-                p.keepers = [k for k in p.keepers if not k.dead]
-                for k in p.keepers:
-                    if k.id not in seen:
-                        seen.add(k.id)
-                        end = max(end, k.expires)
-                        stack.append(k)
-        return end
 
 
 class PrefixMatch(NamedTuple):
@@ -113,15 +87,14 @@ class BlockIndex:
         self._clock = clock
         # endpoint -> its blocks: hash -> (mask, prediction id), least recently touched first
         self._eps: dict[str, BlockTable] = {}
-        # Live predictions by id (the tables hold ids): for the earlier predictions a turn holds.
+        # Live predictions by id: what the heap is rebuilt from when stale records pile up.
         self._preds: dict[int, Prediction] = {}
         self._pred_ids = itertools.count(1)
-        # Min-heap of (expiry, seq, prediction): one record per predict() call, not per block (a
-        # 128K-token prompt is 4,096 blocks). Expiries differ per call (a request in flight is predicted
-        # until its first token, then for the short TTL), so a FIFO would not be in expiry order. Refreshes
-        # leave stale records; past 2 × max_blocks hashes in them the heap is rebuilt from live predictions.
+        # Min-heap of (expiry, seq, prediction): one record per expiry set, not per block (a 128K-token
+        # prompt is 4,096 blocks). Expiries differ per call (a request in flight is predicted until its
+        # first token, then for the short TTL), so a FIFO would not be in expiry order.
         self._predictions: list[tuple[float, int, Prediction]] = []
-        self._predicted_hashes = 0
+        self._predicted_hashes = 0  # in live predictions' arrays
         self._seq = itertools.count()
         self._size = 0
         self.evictions = 0
@@ -201,26 +174,15 @@ class BlockIndex:
         self, endpoint: str, hashes: Sequence[int], ttl: float, touched: int = 0
     ) -> Prediction | None:
         """Record that ``endpoint`` will hold ``hashes`` (until confirmed, or ``ttl`` from now).
-        ``touched``: a lookup just matched that many leading blocks there (they are most recent already).
-
-        A prompt seen before, maybe extended (known blocks, then new ones): with more than
-        ``_REPOINT_BLOCKS`` known blocks, those keep the predictions they have, and each of those is held
-        by this one as long as it lives (one step per earlier prediction, usually one per turn)."""
+        ``touched``: a lookup just matched that many leading blocks there (they are most recent already)."""
         if not hashes:
             return None
         now = self._clock()
         self._expire(now)
         pred = Prediction(next(self._pred_ids), endpoint, now + ttl, hashes)
-        added, olds = self._table(endpoint).predict(hashes, pred.id, _REPOINT_BLOCKS, touched)
+        self._size += self._table(endpoint).predict(hashes, pred.id, touched)
         self._preds[pred.id] = pred
-        held = [p for pid in olds if (p := self._preds.get(pid)) is not None]
-        ids = {p.id for p in held}
-        for prev in held:
-            # Kept already by another prediction this one holds: held through it.
-            if not any(k.id in ids for k in prev.keepers):
-                prev.keepers.append(pred)
-                pred.kept.append(prev)
-        self._size += added
+        self._predicted_hashes += len(hashes)
         self._push(pred)
         self._enforce_bound()
         return pred
@@ -230,19 +192,26 @@ class BlockIndex:
         return max(pred.expires - self._clock(), 0.0)
 
     def retime(self, pred: Prediction, ttl: float) -> None:
-        """Give the blocks still held by ``pred`` (not confirmed, not predicted again since) a new
-        expiry ``ttl`` from now: O(1) in the prompt's length and in the predictions it holds (those
-        are looked at again when it dies, see _expire)."""
+        """Give ``pred``'s blocks a new expiry ``ttl`` from now (those other live predictions hold too
+        stay while those do): O(1) in the prompt's length."""
         now = self._clock()
         self._expire(now)
+        if pred.dead:
+            return
         pred.expires = now + ttl
         self._push(pred)
 
-    def _push(self, pred: Prediction, when: float | None = None) -> None:
-        heapq.heappush(self._predictions, (pred.expires if when is None else when, next(self._seq), pred))
-        self._predicted_hashes += len(pred.hashes)
+    def _push(self, pred: Prediction) -> None:
+        """A heap record at ``pred``'s expiry. Every change of an expiry pushes one, so a record older
+        than its prediction's expiry is stale (skipped when it comes up). Stale records past twice the
+        live predictions are swept by a rebuild; live predictions past twice the index's bound in blocks
+        are ended early, soonest to expire first (their arrays are what a prediction costs in memory)."""
+        heapq.heappush(self._predictions, (pred.expires, next(self._seq), pred))
+        if len(self._predictions) > 2 * len(self._preds) + 64:
+            self._predictions = [(p.expires, next(self._seq), p) for p in self._preds.values()]
+            heapq.heapify(self._predictions)
         if self._predicted_hashes > 2 * self.max_blocks:
-            self._compact_predictions()
+            self._expire(self._clock(), early=self._predicted_hashes - 2 * self.max_blocks)
 
     def drop_endpoint(self, endpoint: str) -> None:
         table = self._eps.pop(endpoint, None)
@@ -263,46 +232,26 @@ class BlockIndex:
             self._size -= len(table)
             table.clear()
 
-    def _compact_predictions(self) -> None:
-        """Rebuild the heap from live predictions: refreshed ones leave stale records behind."""
-        live: dict[int, list[int]] = {}
-        for table in self._eps.values():
-            for h, pid in table.predicted():
-                live.setdefault(pid, []).append(h)
-        self._predictions = []
-        for pid, hs in live.items():
-            pred = self._preds.get(pid)
-            if pred is None:
-                continue
-            pred.hashes = tuple(hs)
-            self._predictions.append((pred.until(), next(self._seq), pred))
-        self._predicted_hashes = sum(len(p.hashes) for _, _, p in self._predictions)
-        heapq.heapify(self._predictions)
-
-    def _expire(self, now: float) -> None:
+    def _expire(self, now: float, early: int = 0) -> None:
+        """End the predictions whose expiry has passed, then (``early`` > 0) the next ones to expire
+        until that many predicted blocks are gone."""
         preds = self._predictions
-        while preds and preds[0][0] <= now:
-            _, _, pred = heapq.heappop(preds)
-            self._predicted_hashes -= len(pred.hashes)
-            if pred.dead:
+        while preds and (preds[0][0] <= now or early > 0):
+            at, _, pred = heapq.heappop(preds)
+            if pred.dead or at != pred.expires:  # stale: the prediction has another record
                 continue
-            end = pred.until()
-            if end > now:  # re-timed, or held by a later prediction: a record at its new end
-                heapq.heappush(preds, (end, next(self._seq), pred))
-                self._predicted_hashes += len(pred.hashes)
-                continue
-            pred.dead = True
-            # What it held may have had a later record from when it was in flight: look again now.
-            for prev in pred.kept:
-                if not prev.dead:
-                    heapq.heappush(preds, (now, next(self._seq), prev))
-                    self._predicted_hashes += len(prev.hashes)
-            pred.keepers, pred.kept = [], []
-            self._preds.pop(pred.id, None)
-            table = self._eps.get(pred.endpoint)
-            if table is not None:
-                # Only the prediction that set this expiry may remove it; confirmed entries have mask bits.
-                self._size -= table.expire(pred.hashes, pred.id)
+            early -= len(pred.hashes)
+            self._end(pred)
+
+    def _end(self, pred: Prediction) -> None:
+        pred.dead = True
+        del self._preds[pred.id]
+        self._predicted_hashes -= len(pred.hashes)
+        table = self._eps.get(pred.endpoint)
+        if table is not None:
+            # Confirmed entries stay; unconfirmed ones go when no other live prediction holds them.
+            self._size -= table.expire(pred.hashes, pred.id)
+        pred.hashes = ()  # a long prompt's array, which the request's decision references a while longer
 
     def _enforce_bound(self) -> None:
         while self._size > self.max_blocks:

@@ -219,11 +219,10 @@ def test_history_is_bounded_and_fed_by_the_index_bound() -> None:
     assert all(not churn.history([h]) for h in range(10, 20))
 
 
-def test_long_conversation_turns_hold_the_earlier_ones_transitively() -> None:
-    """Prompts of more than 64 known blocks hold the earlier predictions instead of re-pointing their
-    blocks. Each turn holds only the previous one (which holds the rest), and the blocks of every turn
-    live while any later turn that extends it does; two conversations sharing a system prompt each keep
-    it alive."""
+def test_every_live_prediction_of_a_block_keeps_it_and_earlier_turns_leave_no_trace() -> None:
+    """A conversation's turns each predict the whole prompt: the blocks of every turn live while any
+    later turn that holds them does; two conversations sharing a system prompt each keep it alive; and a
+    turn that expired is gone (nothing links the turns, so turn 1,000 costs what turn 2 did)."""
     clock = Clock()
     idx = BlockIndex(100_000, clock=clock)
     system = list(range(1, 101))
@@ -233,20 +232,44 @@ def test_long_conversation_turns_hold_the_earlier_ones_transitively() -> None:
         a += range(1000 * (t + 2), 1000 * (t + 2) + 10)
         pred = idx.predict("e", list(a), ttl=600)
         assert pred is not None
-        assert len(pred.kept) <= 1  # the previous turn only (the first turn holds nothing)
         idx.retime(pred, 5)
         turns.append(pred)
         clock.t += 1
+        assert len(idx._preds) <= 5  # the turns of the last 5 s only
     b += range(500_000, 500_010)
     other = idx.predict("e", list(b), ttl=600)  # a second conversation on the same system prompt
     assert other is not None
-    # Turn 1 (the system prompt) was predicted 30 s ago with a 5 s TTL: alive through the later turns.
+    # Turn 1 was predicted 30 s ago with a 5 s TTL: alive through the later turns.
     assert idx.lookup(a)["e"] == PrefixMatch(len(a), predicted=len(a))
-    clock.t += 6  # conversation a's last turn expired; b is in flight and holds a's first prediction
-    first = len(system) + 10  # (a prediction's blocks live or go together)
-    assert idx.lookup(a)["e"] == PrefixMatch(first, predicted=first)
+    clock.t += 6  # conversation a's last turn expired; b is in flight and holds the system prompt
+    assert idx.lookup(a)["e"] == PrefixMatch(len(system), predicted=len(system))
     assert idx.lookup(b)["e"] == PrefixMatch(len(b), predicted=len(b))
+    assert len(idx) == len(b)
     idx.retime(other, 5)
     clock.t += 6
     assert idx.lookup(b) == {} and len(idx) == 0
-    assert all(p.dead for p in [*turns, other])
+    assert all(p.dead for p in [*turns, other]) and not idx._preds
+
+
+def test_a_block_removed_and_predicted_again_is_not_ended_by_its_earlier_prediction() -> None:
+    clock = Clock()
+    idx = BlockIndex(100, clock=clock)
+    idx.predict("a", [1, 2], ttl=5)
+    idx.apply("a", BlockRemoved((2,), "GPU"))  # the engine evicted it before our prediction expired
+    clock.t += 1
+    idx.predict("a", [1, 2], ttl=10)  # block 2's new life, predicted by a later request
+    clock.t += 5  # the first prediction ends: block 1 keeps the second's hold, block 2 was never its
+    assert idx.lookup([1, 2]) == {"a": PrefixMatch(2, predicted=2)}
+    clock.t += 5
+    assert idx.lookup([1, 2]) == {} and len(idx) == 0
+
+
+def test_predictions_past_twice_the_bound_end_early_soonest_first() -> None:
+    """Each live prediction references its prompt's array: their blocks are bounded like the index's."""
+    clock = Clock()
+    idx = BlockIndex(10, clock=clock)
+    first = idx.predict("a", [1, 2, 3, 4, 5, 6, 7, 8], ttl=5)
+    later = [idx.predict("a", [9, 10, 11, 12, 13, 14, 15, 16], ttl=60 + i) for i in range(2)]
+    assert first is not None and first.dead  # 24 blocks predicted, more than 2 x 10: the soonest went
+    assert all(p is not None and not p.dead for p in later)
+    assert idx._predicted_hashes == 16
