@@ -8,9 +8,13 @@ twice in a row: straight to nginx, then through the router; the figure is the pa
 
 - cold: every request a prompt the router has never seen (distinct text from the first character);
 - extend: a conversation: the first turn is sent untimed, then every timed request is the previous
-  prompt plus a new turn of about 40 tokens (what a multi-turn chat or an agent sends);
+  prompt plus a new turn of about 100 tokens (what a multi-turn chat or an agent sends);
 - cold-chat, extend-chat: the same prompts as chat (/v1/chat/completions): the text is a system
-  message followed by a short question, and each new turn appends an answer and a question.
+  message followed by a short question, and each new turn appends an answer and a question;
+- agent: one long conversation, as an agent sends it: an 8K-token start, then ``--agent-turns`` turns,
+  each the previous prompt plus ~100 tokens (600 turns end near 72K tokens). The figure is the added
+  p50 over the first and over the last tenth of the turns: what a router's cost per turn grows with,
+  the prompt's length or the conversation's history.
 
 The reference for cold prompts is the engine's own tokenization of the same prompt: the Rust tokenizer
 vLLM's fast tokenizer wraps (`tokenizers.Tokenizer.encode`), timed in this process; for chat, the
@@ -40,7 +44,8 @@ DEFAULT_ROUTERS = ("kvstrata/kv-aware", "sglang-router/cache_aware", "vllm-route
 DEFAULT_SIZES = (1024, 8192, 32768, 131072)
 MODES = ("cold", "extend", "cold-chat", "extend-chat")
 _QUESTION = "What does the text above say? Answer briefly."
-_TURN_WORDS = 30  # ~40 tokens of the tiny model per new turn
+_TURN_WORDS = 30  # ~100 tokens of the tiny model per new turn
+_AGENT_START_TOKENS = 8192
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -60,6 +65,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=int(os.environ.get("BENCH_OVERHEAD_REQUESTS", "15")),
         help="timed requests per router, size and mode (default: %(default)s)",
+    )
+    p.add_argument(
+        "--agent-turns",
+        type=int,
+        default=int(os.environ.get("BENCH_OVERHEAD_AGENT_TURNS", "600")),
+        help="turns of the long agent conversation (0 = none; default: %(default)s)",
     )
     p.add_argument("--out", type=Path, default=Path(".bench/overhead.json"))
     p.add_argument("--workdir", type=Path, default=Path(".bench/overhead"))
@@ -183,6 +194,18 @@ def _settle(router_url: str, limit_s: float = 30.0) -> None:
         time.sleep(0.01)
 
 
+def _agent_row(row: dict[str, Any]) -> dict[str, Any]:
+    """The agent conversation's cell: the added p50 over its first and its last tenth of turns."""
+    added = row["added_ms"]
+    tenth = max(len(added) // 10, 1)
+    row.update(
+        mode="agent",
+        first_p50_ms=_r(percentile(added[:tenth], 50)),
+        last_p50_ms=_r(percentile(added[-tenth:], 50)),
+    )
+    return row
+
+
 def _r(v: float | None) -> float | None:
     return None if v is None else round(v, 3)
 
@@ -227,6 +250,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         engine_ms[f"{n}/chat"] = _engine_tokenize_ms(
             lambda p: chat_tok.encode_chat(chat_messages(p)), cold[:5]
         )
+    agent: list[Request] = []
+    if args.agent_turns > 0:
+        prompts = [gen.cold(_AGENT_START_TOKENS, 20_000)]
+        for _ in range(args.agent_turns):
+            prompts.append(prompts[-1] + gen.turn())
+        agent = [completion(p) for p in prompts]
+        agent_end_tokens = len(tok.encode(prompts[-1]).ids)
+        del prompts
     cfg = RouterConfig(model=nginx_backend.MODEL, tokenizer_dir=model_dir, block_size=32)
     results: list[dict[str, Any]] = []
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -249,6 +280,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             f"  errors {row['errors']}",
                             flush=True,
                         )
+                if agent:
+                    row = _agent_row(_measure(direct_url, running.url, agent[1:], agent[0], pgid))
+                    row.update(router=name, tokens=_AGENT_START_TOKENS, end_tokens=agent_end_tokens)
+                    results.append(row)
+                    print(
+                        f"  {name:28} agent {args.agent_turns} turns to {agent_end_tokens} tokens: added p50"
+                        f" {fmt(row['first_p50_ms'], 2)} ms (first tenth) {fmt(row['last_p50_ms'], 2)} ms"
+                        f" (last tenth)  errors {row['errors']}",
+                        flush=True,
+                    )
             except BenchError as exc:
                 results.append({"router": name, "problem": str(exc).splitlines()[0]})
                 print(f"  {name}: FAILED {str(exc).splitlines()[0]}", flush=True)
@@ -262,6 +303,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "sizes_tokens": sizes,
             "requests": args.requests,
             "turn_words": _TURN_WORDS,
+            "agent_turns": args.agent_turns,
+            "agent_start_tokens": _AGENT_START_TOKENS,
             "chars_per_token": round(gen.chars_per_token, 3),
             "backend": "nginx, canned completion (no engine: only the router is measured)",
             "method": "paired: each request straight to nginx, then through the router; added = difference",
@@ -275,9 +318,13 @@ def render(payload: dict[str, Any]) -> str:
     rows_by: dict[tuple[int, str], dict[str, dict[str, Any]]] = {}
     routers: list[str] = []
     problems = []
+    agents = []
     for r in payload["results"]:
         if "problem" in r:
             problems.append(f"! {r['router']}: {r['problem']}")
+            continue
+        if r["mode"] == "agent":
+            agents.append(r)
             continue
         if r["router"] not in routers:
             routers.append(r["router"])
@@ -308,6 +355,26 @@ def render(payload: dict[str, Any]) -> str:
         table(headers, rows),
         *problems,
     ]
+    if agents:
+        lines += [
+            "",
+            f"one agent conversation: {s['agent_turns']} turns from {s['agent_start_tokens']} tokens, each"
+            " turn the previous prompt + ~100 tokens (added ms, paired vs direct nginx)",
+            table(
+                ["router", "end tokens", "p50 first tenth", "p50 last tenth", "cpu/req", "errors"],
+                [
+                    [
+                        r["router"],
+                        str(r["end_tokens"]),
+                        fmt(r["first_p50_ms"], 2),
+                        fmt(r["last_p50_ms"], 2),
+                        fmt(r.get("router_cpu_ms_per_req"), 2),
+                        str(r["errors"]),
+                    ]
+                    for r in agents
+                ],
+            ),
+        ]
     return "\n".join(lines)
 
 

@@ -48,8 +48,9 @@ bench-proxy: venv bench-deps bench-tools
 	$(PY) -m bench.proxy_bench --out $(BENCH_DIR)/proxy.json $(BENCH_ARGS)
 
 # Latency each router adds to long prompts (1K-128K tokens), cold and extending a known prompt, against
-# the same static nginx backend; kvstrata and both peers in one run. BENCH_OVERHEAD_SIZES,
-# BENCH_OVERHEAD_REQUESTS, BENCH_OVERHEAD_ROUTERS. Writes .bench/overhead.json.
+# the same static nginx backend, and one long agent conversation; kvstrata and both peers in one run.
+# BENCH_OVERHEAD_SIZES, BENCH_OVERHEAD_REQUESTS, BENCH_OVERHEAD_AGENT_TURNS, BENCH_OVERHEAD_ROUTERS.
+# Writes .bench/overhead.json.
 bench-router-overhead: venv bench-deps bench-tools
 	$(PY) -m bench.overhead_bench --out $(BENCH_DIR)/overhead.json $(BENCH_ARGS)
 
