@@ -85,7 +85,7 @@ class BlockIndex:
             raise ValueError("max_blocks must be >= 1")
         self.max_blocks = max_blocks
         self._clock = clock
-        # endpoint -> its blocks: hash -> (mask, prediction id), least recently touched first
+        # endpoint -> its blocks: hash -> (mask, live predictions holding it), least recently touched first
         self._eps: dict[str, BlockTable] = {}
         # Live predictions by id: what the heap is rebuilt from when stale records pile up.
         self._preds: dict[int, Prediction] = {}
