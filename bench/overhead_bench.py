@@ -12,7 +12,7 @@ twice in a row: straight to nginx, then through the router; the figure is the pa
 - cold-chat, extend-chat: the same prompts as chat (/v1/chat/completions): the text is a system
   message followed by a short question, and each new turn appends an answer and a question;
 - agent: one long conversation, as an agent sends it: an 8K-token start, then ``--agent-turns`` turns,
-  each the previous prompt plus ~100 tokens (600 turns end near 72K tokens). The figure is the added
+  each the previous prompt plus ~100 tokens (600 turns end near 69K tokens). The figure is the added
   p50 over the first and over the last tenth of the turns: what a router's cost per turn grows with,
   the prompt's length or the conversation's history.
 
