@@ -68,10 +68,11 @@ impl BlockTable {
         self.clock
     }
 
+    /// Ticks the clock only for a block it finds: a miss is followed by a `put`, which ticks.
     fn touch(&mut self, h: &u64) -> Option<&mut Entry> {
-        let stamp = self.tick();
         let e = self.map.get_mut(h)?;
-        e.stamp = stamp;
+        self.clock += 1;
+        e.stamp = self.clock;
         Some(e)
     }
 
@@ -138,13 +139,13 @@ impl BlockTable {
     fn predict_all(&mut self, hashes: &[u64], pred: u64, touched: usize) -> usize {
         let mut added = 0;
         for (i, &h) in hashes.iter().enumerate() {
-            // The leading `touched` blocks were just touched by a lookup: most recent already.
-            let stamp = if i < touched { None } else { Some(self.tick()) };
             match self.map.get_mut(&h) {
                 Some(e) => {
                     e.refs += 1;
-                    if let Some(stamp) = stamp {
-                        e.stamp = stamp;
+                    // The leading `touched` blocks were just touched by a lookup: most recent already.
+                    if i >= touched {
+                        self.clock += 1;
+                        e.stamp = self.clock;
                     }
                 }
                 None => {
