@@ -173,18 +173,16 @@ class ConversationBoundFilter:
     continued a conversation and as many continued as ended (:meth:`ConversationTracker.mostly_multi_turn`):
     one-shot requests sharing a document would be spread by request count, a copy of the document on
     every engine (the first build acted on no evidence too and split them on a fresh router). Never
-    filters everything out; filters nothing while ``enabled`` is False (``conversationBound``).
-    ``track``: the tracker is fed (for the bound, or for the fit scorer's projection, ``projectedFit``)."""
+    filters everything out; filters nothing without a ``tracker`` (``conversationBound`` off). The
+    router feeds the tracker, which the fit scorer's projection (``projectedFit``) reads too."""
 
-    enabled: bool
-    tracker: ConversationTracker
-    track: bool
+    tracker: ConversationTracker | None
     name: str = "conversation_bound"
 
     def filter(self, req: RouteRequest, eps: Sequence[Endpoint]) -> list[Endpoint]:
-        if not self.enabled or len(eps) < 2 or req.approximate or not req.hashes:
-            return list(eps)
         t = self.tracker
+        if t is None or len(eps) < 2 or req.approximate or not req.hashes:
+            return list(eps)
         if t.continued_tip(req.hashes) is not None or not t.mostly_multi_turn(req.now):
             return list(eps)
         counts = [t.live_on(ep.url, req.now) for ep in eps]
@@ -192,22 +190,6 @@ class ConversationBoundFilter:
         kept = [ep for ep, n in zip(eps, counts, strict=True) if n + 1 <= cap]
         return kept or list(eps)
 
-    def on_routed(self, ep: Endpoint, now: float, hashes: Sequence[int]) -> None:
-        if self.track:
-            self.tracker.routed(ep.url, now, hashes)
-
-    def on_hashed(self, ep: Endpoint, now: float, leading: Sequence[int], hashes: Sequence[int]) -> None:
-        if self.track:
-            self.tracker.rehashed(ep.url, now, leading, hashes)
-
-    def on_removed(self, ep: Endpoint) -> None:
-        self.tracker.forget(ep.url)
-
     def explain(self, dropped: Sequence[Endpoint], matches: dict[str, PrefixMatch]) -> Reason | None:
         """The bound decided when it dropped an endpoint that holds part of the prompt."""
         return Reason.CONVERSATION_BOUND if any(matches.get(ep.url) for ep in dropped) else None
-
-
-def conversation_bound(enabled: bool, window_s: float, track: bool = False) -> ConversationBoundFilter:
-    """The bound (on with ``enabled``); its tracker is fed while the bound or ``track`` is on."""
-    return ConversationBoundFilter(enabled, ConversationTracker(window_s), enabled or track)

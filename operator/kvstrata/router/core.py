@@ -23,7 +23,7 @@ import aiohttp
 
 from kvstrata.api.router_config import RouterSettings
 from kvstrata.router.admission import Gate, GateDeps
-from kvstrata.router.conversations import conversation_bound
+from kvstrata.router.conversations import ConversationBoundFilter, ConversationTracker
 from kvstrata.router.decision import Decision
 from kvstrata.router.hashing import block_hashes, char_block_hashes, check_algo
 from kvstrata.router.incremental import IncrementalEncoder, Walk
@@ -166,9 +166,13 @@ class Router:
             settings.fit_window_seconds,
             self.over_pool,
         )
-        self.conversations = conversation_bound(
-            settings.conversation_bound, settings.fit_window_seconds, track=settings.projected_fit
+        # Live conversations per engine: fed only for the features that read them.
+        self.tracker = (
+            ConversationTracker(settings.fit_window_seconds)
+            if settings.conversation_bound or settings.projected_fit
+            else None
         )
+        self.conversations = ConversationBoundFilter(self.tracker if settings.conversation_bound else None)
         self.policy = POLICIES[settings.policy](self)
         adm = settings.admission
         self.gate = Gate(
@@ -210,7 +214,8 @@ class Router:
         for scorer, _ in self.scorers:
             scorer.on_removed(ep)
         self.share.on_removed(ep)
-        self.conversations.on_removed(ep)
+        if self.tracker is not None:
+            self.tracker.forget(ep.url)
 
     def _scorer(self, kind: type[_S]) -> _S | None:
         return next((s for s, _ in self.scorers if isinstance(s, kind)), None)
@@ -576,10 +581,8 @@ class Router:
         )
         if self.settings.copy_with_room:
             rreq.with_room = self._with_room(rreq, eps)
-        if self.settings.projected_fit and not approximate:
-            rreq.growth = self.conversations.tracker.next_turn_growth(
-                [ep.url for ep in eps], rreq.now, hashes
-            )
+        if self.settings.projected_fit and self.tracker is not None and not approximate:
+            rreq.growth = self.tracker.next_turn_growth([ep.url for ep in eps], rreq.now, hashes)
         ranking = self._rank(rreq, eps)
         ranked = ranking.ranked
         order = [r.endpoint for r in ranked] + ranking.dropped  # dropped: a retry if all else fails
@@ -630,7 +633,8 @@ class Router:
         now = time.monotonic()
         for scorer, _ in self.scorers:
             scorer.on_hashed(ep, now, hashes)
-        self.conversations.on_hashed(ep, now, leading, hashes)
+        if self.tracker is not None:
+            self.tracker.rehashed(ep.url, now, leading, hashes)
         pred = decision.prediction
         if pred is not None and not pred.dead and pred.endpoint == ep.url:
             # Until the same moment as the leading blocks' prediction: the request's first token, or the
@@ -732,7 +736,8 @@ class Router:
             for scorer, _ in self.scorers:
                 scorer.on_routed(ep, now, hashes)
             self.share.on_routed(ep, now)
-            self.conversations.on_routed(ep, now, hashes)
+            if self.tracker is not None:
+                self.tracker.routed(ep.url, now, hashes)
         if not decision.hashes:
             return
         if decision.approximate:

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 from test_router_scoring import _req, _router
 
-from kvstrata.router.conversations import ConversationTracker, conversation_bound
+from kvstrata.router.conversations import ConversationBoundFilter, ConversationTracker
 from kvstrata.router.index import PrefixMatch
 from kvstrata.router.pool import Endpoint, EndpointSpec
 from kvstrata.router.reasons import Reason
@@ -53,38 +53,43 @@ def _eps() -> list[Endpoint]:
     return [Endpoint(EndpointSpec(u)) for u in ("a", "b", "c")]
 
 
+def _bound(window_s: float = 30.0) -> tuple[ConversationBoundFilter, ConversationTracker]:
+    t = ConversationTracker(window_s)
+    return ConversationBoundFilter(t), t
+
+
 def test_a_new_conversation_skips_engines_at_their_fair_share_plus_one() -> None:
-    f = conversation_bound(True, 30.0)
+    f, ft = _bound()
     eps = _eps()
     for url, n in (("a", 3), ("b", 2), ("c", 2)):
         for i in range(n):
-            f.tracker.routed(url, 0.0, [ord(url) * 100 + i])
+            ft.routed(url, 0.0, [ord(url) * 100 + i])
     new = RouteRequest(hashes=[9, 10], now=1.0)
     # Nothing continued yet: no evidence of conversations, nothing bounded.
     assert len(f.filter(new, eps)) == 3
-    f.tracker.routed("a", 0.5, [ord("a") * 100, 1])  # a's first conversation's next turn
+    ft.routed("a", 0.5, [ord("a") * 100, 1])  # a's first conversation's next turn
     # 7 live + this one on 3 engines: floor(8 / 3) + 1 = 3, and a already serves 3.
     assert [e.url for e in f.filter(new, eps)] == ["b", "c"]
     assert f.explain([eps[0]], {"a": PrefixMatch(1)}) is Reason.CONVERSATION_BOUND
     assert f.explain([eps[0]], {"b": PrefixMatch(1)}) is None
     # A follow-up of a's conversation is never moved, nor is anything while the bound is off.
     assert len(f.filter(RouteRequest(hashes=[ord("a") * 100, 1, 5], now=1.0), eps)) == 3
-    assert len(conversation_bound(False, 30.0).filter(new, eps)) == 3
+    assert len(ConversationBoundFilter(None).filter(new, eps)) == 3
     # One live on a and one on b: floor(3 / 3) + 1 = 2, so a tenant's next user may still join a; with
     # one live on a alone, floor(2 / 3) + 1 = 1 and it opens on an engine serving none.
-    g = conversation_bound(True, 30.0)
-    g.tracker.routed("a", 0.0, [1])
-    g.tracker.routed("a", 0.5, [1, 11])
-    g.tracker.routed("b", 0.0, [2])
+    g, gt = _bound()
+    gt.routed("a", 0.0, [1])
+    gt.routed("a", 0.5, [1, 11])
+    gt.routed("b", 0.0, [2])
     assert len(g.filter(new, eps)) == 3
-    h = conversation_bound(True, 30.0)
-    h.tracker.routed("a", 0.0, [1])
-    h.tracker.routed("a", 0.5, [1, 11])
+    h, ht = _bound()
+    ht.routed("a", 0.0, [1])
+    ht.routed("a", 0.5, [1, 11])
     assert [e.url for e in h.filter(new, eps)] == ["b", "c"]
     # The evidence fades: over a window after the one follow-up, a conversation live on a no longer
     # keeps a new one off it (as many continued as ended, but that is one long ago).
-    h.tracker.routed("a", 40.0, [50])
-    assert h.tracker.live_on("a", 41.0) == 1
+    ht.routed("a", 40.0, [50])
+    assert ht.live_on("a", 41.0) == 1
     assert len(h.filter(RouteRequest(hashes=[9, 10], now=41.0), eps)) == 3
 
 
