@@ -432,19 +432,30 @@ def _pm(x: tuple[float, float] | None, digits: int = 1) -> str:
 
 
 def combine(payloads: list[dict[str, Any]]) -> dict[str, Any]:
-    """Runs of different seed windows as one: their draws by seed, pooled again. A seed run twice is
-    refused rather than counted twice or picked by outcome."""
+    """Runs of different seed windows as one: their draws by seed, pooled again, over the routers every
+    run has (the others are named in ``left_out``: a variant one run added is not pooled with draws
+    that never ran it). A seed run twice is refused rather than counted twice or picked by outcome."""
     if len(payloads) == 1:  # pooled again: a file written before a figure was added gets it too
         return {**payloads[0], "pooled": pooled(payloads[0]["draws"], payloads[0]["routers"])}
-    routers = payloads[0]["routers"]
-    if any(p["routers"] != routers for p in payloads):
-        raise SystemExit("--report: the runs compare different routers")
-    draws = sorted((d for p in payloads for d in p["draws"]), key=lambda d: d["seed"])
+    routers = [r for r in payloads[0]["routers"] if all(r in p["routers"] for p in payloads)]
+    if KVSTRATA not in routers or len(routers) < 2:
+        raise SystemExit(f"--report: the runs share no comparison of {KVSTRATA} with another router")
+    left_out = sorted({r for p in payloads for r in p["routers"]} - set(routers))
+    draws = sorted(
+        (
+            {**d, "results": [row for row in d["results"] if row["router"] in routers]}
+            for p in payloads
+            for d in p["draws"]
+        ),
+        key=lambda d: d["seed"],
+    )
     seeds = [d["seed"] for d in draws]
     if len(set(seeds)) != len(seeds):
         raise SystemExit(f"--report: a seed appears in more than one run: {seeds}")
     return {
         **payloads[0],
+        "routers": routers,
+        "left_out": left_out,
         "draws_planned": sum(p["draws_planned"] for p in payloads),
         "draws": draws,
         "pooled": pooled(draws, routers),
@@ -461,6 +472,8 @@ def render(payload: dict[str, Any]) -> str:
         f"router family benchmark, {len(payload['draws'])} of {payload.get('draws_planned', len(payload['draws']))} draws: per draw, "
         "hit % / TTFT mean / p99 ms / errors / split (max/mean)"
     ]
+    if payload.get("left_out"):
+        lines.append(f"(not in every run, so not pooled: {', '.join(payload['left_out'])})")
     rows = []
     for d in payload["draws"]:
         cells = []

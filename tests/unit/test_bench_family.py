@@ -120,6 +120,19 @@ def test_runs_of_two_seed_windows_pool_as_one_and_a_seed_twice_is_refused() -> N
     assert both["pooled"]["pressure"]["vs"]["peer/x"]["pairs"] == 2
     with pytest.raises(SystemExit, match="more than one run"):
         combine([first, first])
+    # A run with one more router (a variant) pools with the others over the routers both have.
+    variant = f"{KVSTRATA}@v"
+    third = run((4, _draw_row("pressure", 0.7, 0.5, 100, 200)))
+    third["routers"] = [KVSTRATA, variant, "peer/x"]
+    third["draws"][0]["results"].append({**third["draws"][0]["results"][0], "router": variant})
+    mixed = combine([first, third])
+    assert mixed["routers"] == [KVSTRATA, "peer/x"] and mixed["left_out"] == [variant]
+    assert all(r["router"] != variant for d in mixed["draws"] for r in d["results"])
+    assert mixed["pooled"]["pressure"]["vs"]["peer/x"]["pairs"] == 2
+    lone = run((5, _draw_row("rich", 0.8, 0.8, 100, 100)))
+    lone["routers"] = [KVSTRATA, "peer/y"]
+    with pytest.raises(SystemExit, match="share no comparison"):
+        combine([first, {**lone, "draws": [{**lone["draws"][0], "seed": 6}]}])
 
 
 def test_the_best_peer_is_taken_figure_by_figure_and_a_kvstrata_variant_is_no_peer() -> None:
