@@ -139,15 +139,14 @@ impl BlockTable {
     fn predict_all(&mut self, hashes: &[u64], pred: u64, touched: usize) -> usize {
         let mut added = 0;
         for (i, &h) in hashes.iter().enumerate() {
-            match self.map.get_mut(&h) {
-                Some(e) => {
-                    e.refs += 1;
-                    // The leading `touched` blocks were just touched by a lookup: most recent already.
-                    if i >= touched {
-                        self.clock += 1;
-                        e.stamp = self.clock;
-                    }
-                }
+            // The leading `touched` blocks were just touched by a lookup: most recent already.
+            let found = if i >= touched {
+                self.touch(&h)
+            } else {
+                self.map.get_mut(&h)
+            };
+            match found {
+                Some(e) => e.refs += 1,
                 None => {
                     self.put(h, PREDICTED, 1, pred);
                     added += 1;
