@@ -15,6 +15,13 @@ twice in a row: straight to nginx, then through the router; the figure is the pa
   each the previous prompt plus ~100 tokens (600 turns end near 69K tokens). The figure is the added
   p50 over the first and over the last tenth of the turns: what a router's cost per turn grows with,
   the prompt's length or the conversation's history.
+- beside a huge prompt: short cold prompts (~256 tokens), paired as above, first with nothing else in
+  flight, then for ``--huge-seconds`` while another connection keeps a ``--huge-chars`` prompt (4 MB)
+  in flight through the same router, one after another. The figure is the short prompts' added latency
+  beside the huge one (only those whose routed leg lay wholly inside a huge request) against idle: what
+  one huge prompt costs everyone else. kvstrata refuses prompts over ``maxPromptChars`` (2,000,000
+  characters by default) with a 413 at once; here it runs with the bound raised past the huge prompt,
+  so the prompt is really read, parsed, tokenized, hashed and forwarded.
 
 The reference for cold prompts is the engine's own tokenization of the same prompt: the Rust tokenizer
 vLLM's fast tokenizer wraps (`tokenizers.Tokenizer.encode`), timed in this process; for chat, the
@@ -26,9 +33,11 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import itertools
 import json
 import os
 import random
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -46,6 +55,8 @@ MODES = ("cold", "extend", "cold-chat", "extend-chat")
 _QUESTION = "What does the text above say? Answer briefly."
 _TURN_WORDS = 30  # ~100 tokens of the tiny model per new turn
 _AGENT_START_TOKENS = 8192
+_SHORT_TOKENS = 256  # a short prompt beside the huge one
+_IDLE_SHORT = 40  # short prompts timed with nothing else in flight
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -71,6 +82,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=int(os.environ.get("BENCH_OVERHEAD_AGENT_TURNS", "600")),
         help="turns of the long agent conversation (0 = none; default: %(default)s)",
+    )
+    p.add_argument(
+        "--huge-chars",
+        type=int,
+        default=int(os.environ.get("BENCH_OVERHEAD_HUGE_CHARS", "4000000")),
+        help="characters of the prompt kept in flight while short ones are timed (0 = skip; "
+        "default: %(default)s)",
+    )
+    p.add_argument(
+        "--huge-seconds",
+        type=float,
+        default=float(os.environ.get("BENCH_OVERHEAD_HUGE_SECONDS", "8")),
+        help="how long short prompts are timed beside huge ones (default: %(default)s)",
     )
     p.add_argument("--out", type=Path, default=Path(".bench/overhead.json"))
     p.add_argument("--workdir", type=Path, default=Path(".bench/overhead"))
@@ -101,6 +125,23 @@ class Prompts:
         start = self.rng.randrange(0, max(1, len(self.text) - n))
         body = (self.text[start:] + self.text)[:n]
         return self.fit(f"Request {i} {self.rng.random():.12f}. " + body, tokens)
+
+    def huge(self, chars: int) -> Callable[[int], Request]:
+        """Completion requests of a prompt of ``chars`` characters (and a short head), each new to every
+        router from its first character. The body is JSON-escaped once; each request only prefixes its
+        own head (a copy, not an encode, so the sender thread barely holds this process's GIL while
+        short prompts are timed)."""
+        text = (self.text * (chars // len(self.text) + 1))[:chars]
+        escaped = json.dumps(text)[1:-1].encode()
+        tail = b'", "max_tokens": 16}'
+        model = json.dumps(nginx_backend.MODEL)
+        seed = self.rng.random()
+
+        def make(i: int) -> Request:
+            head = f'{{"model": {model}, "prompt": "Huge prompt {i} {seed:.12f}. '.encode()
+            return Request("/v1/completions", head + escaped + tail)
+
+        return make
 
     def turn(self) -> str:
         words = self.text[self.rng.randrange(0, len(self.text) - 2000) :].split(" ")[:_TURN_WORDS]
@@ -182,6 +223,115 @@ def _measure(
     }
 
 
+class HugeSender(threading.Thread):
+    """Keeps one huge prompt in flight through the router, one after another, until stopped."""
+
+    def __init__(self, router_url: str, make: Callable[[int], Request]) -> None:
+        super().__init__(daemon=True)
+        self.router_url = router_url
+        self.make = make
+        self.sending = threading.Event()  # the first huge request is on its way
+        self.stop = threading.Event()
+        self.spans: list[tuple[float, float, int]] = []  # (start, end, HTTP status), perf_counter
+
+    def run(self) -> None:
+        conn = _conn(self.router_url)
+        try:
+            for i in itertools.count():
+                if self.stop.is_set():
+                    return
+                req = self.make(i)
+                t0 = time.perf_counter()
+                self.sending.set()
+                try:
+                    status, took = _post(conn, req)
+                except (OSError, http.client.HTTPException):
+                    status, took = 0, time.perf_counter() - t0
+                    conn.close()
+                    conn = _conn(self.router_url)
+                self.spans.append((t0, t0 + took, status))
+        finally:
+            self.sending.set()  # never leave the timing loop waiting on a sender that failed to start
+            conn.close()
+
+
+def in_flight_since(leg: tuple[float, float], spans: Sequence[tuple[float, float, int]]) -> float | None:
+    """When the huge request that was in flight through the router for all of ``leg`` was sent, or None
+    if no one was."""
+    start, end = leg
+    return next((s for s, e, _ in spans if s <= start and end <= e), None)
+
+
+def _measure_beside_huge(
+    direct_url: str,
+    router_url: str,
+    idle: Sequence[Request],
+    short: Sequence[Request],
+    huge: Callable[[int], Request],
+    seconds: float,
+) -> dict[str, Any]:
+    """Short prompts' added latency with nothing else in flight, then beside huge prompts."""
+    direct, routed = _conn(direct_url), _conn(router_url)
+    idle_added: list[float] = []
+    legs: list[tuple[float, float, float]] = []  # (router leg start, end, added ms)
+    errors = 0
+    sender = HugeSender(router_url, huge)
+    try:
+        for req in idle:
+            s1, t_direct = _post(direct, req)
+            s2, t_router = _post(routed, req)
+            if s1 != 200 or s2 != 200:
+                errors += 1
+                continue
+            idle_added.append((t_router - t_direct) * 1e3)
+        sender.start()
+        sender.sending.wait(60)
+        time.sleep(0.05)  # the huge body is on the wire: localhost takes a few ms for 4 MB
+        deadline = time.perf_counter() + seconds
+        for req in itertools.cycle(short):
+            if time.perf_counter() >= deadline or not sender.is_alive():
+                break
+            s1, t_direct = _post(direct, req)
+            t0 = time.perf_counter()
+            s2, t_router = _post(routed, req)
+            if s1 != 200 or s2 != 200:
+                errors += 1
+                continue
+            legs.append((t0, t0 + t_router, (t_router - t_direct) * 1e3))
+    finally:
+        sender.stop.set()
+        sender.join(300)
+        direct.close()
+        routed.close()
+    # Each short prompt beside a huge one: when it ran (s after that huge one was sent) and what it
+    # added. When tells which stage of the huge prompt's path held the short ones up.
+    timeline = [
+        (round(start - since, 4), round(added, 3))
+        for start, end, added in legs
+        if (since := in_flight_since((start, end), sender.spans)) is not None
+    ]
+    beside = [added for _, added in timeline]
+    huge_ok = [e - s for s, e, status in sender.spans if status == 200]
+    return {
+        "mode": "beside-huge",
+        "idle_p50_ms": _r(percentile(idle_added, 50)),
+        "idle_p90_ms": _r(percentile(idle_added, 90)),
+        "idle_max_ms": _r(max(idle_added, default=None)),
+        "beside": len(beside),
+        "short_timed": len(legs),
+        "beside_p50_ms": _r(percentile(beside, 50)),
+        "beside_p90_ms": _r(percentile(beside, 90)),
+        "beside_p99_ms": _r(percentile(beside, 99)),
+        "beside_max_ms": _r(max(beside, default=None)),
+        "huge_done": len(huge_ok),
+        "huge_errors": len(sender.spans) - len(huge_ok),
+        "huge_statuses": sorted({status for _, _, status in sender.spans}),
+        "huge_p50_s": _r(percentile(huge_ok, 50)),
+        "beside_timeline": timeline,
+        "errors": errors,
+    }
+
+
 def _settle(router_url: str, limit_s: float = 30.0) -> None:
     """Wait until the router has no prompt hashing left that it deferred past a decision (kvstrata
     routes a long cold prompt on its leading blocks and hashes the rest after; /kvstrata/state says how
@@ -258,6 +408,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         agent = [completion(p) for p in prompts]
         agent_end_tokens = len(tok.encode(prompts[-1]).ids)
         del prompts
+    huge = gen.huge(args.huge_chars) if args.huge_chars > 0 else None
+    idle_short = [completion(gen.cold(_SHORT_TOKENS, 30_000 + i)) for i in range(_IDLE_SHORT)]
+    # More than the timed window can use (a pair takes a few ms), each new to the router.
+    short = [completion(gen.cold(_SHORT_TOKENS, 40_000 + i)) for i in range(4000)] if huge else []
     cfg = RouterConfig(model=nginx_backend.MODEL, tokenizer_dir=model_dir, block_size=32)
     results: list[dict[str, Any]] = []
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -267,7 +421,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for name in routers:
             running = None
             try:
-                running = start_router(procs, name, [Worker(u) for u in backend.json_urls], cfg)
+                # kvstrata refuses a prompt over maxPromptChars (2M characters by default) at once: raise
+                # the bound so the huge prompt is really routed.
+                env = {"KVSTRATA_ROUTER_MAX_PROMPT_CHARS": str(2 * args.huge_chars)} if huge else {}
+                running = start_router(procs, name, [Worker(u) for u in backend.json_urls], cfg, env=env)
                 pgid = running.proc.popen.pid
                 for n in sizes:
                     for mode in MODES:
@@ -290,6 +447,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         f" (last tenth)  errors {row['errors']}",
                         flush=True,
                     )
+                if huge is not None:
+                    row = _measure_beside_huge(
+                        direct_url, running.url, idle_short, short, huge, args.huge_seconds
+                    )
+                    row.update(router=name, tokens=_SHORT_TOKENS, huge_chars=args.huge_chars)
+                    results.append(row)
+                    print(
+                        f"  {name:28} {_SHORT_TOKENS}-token prompts beside a {args.huge_chars:,}-character"
+                        f" one: added p50 {fmt(row['beside_p50_ms'], 2)} ms p99 {fmt(row['beside_p99_ms'], 2)}"
+                        f" max {fmt(row['beside_max_ms'], 2)} ({row['beside']} of {row['short_timed']} beside;"
+                        f" idle p50 {fmt(row['idle_p50_ms'], 2)} ms); huge done {row['huge_done']}"
+                        f" (p50 {fmt(row['huge_p50_s'], 2)} s), errors {row['errors']}/{row['huge_errors']}",
+                        flush=True,
+                    )
             except BenchError as exc:
                 results.append({"router": name, "problem": str(exc).splitlines()[0]})
                 print(f"  {name}: FAILED {str(exc).splitlines()[0]}", flush=True)
@@ -305,6 +476,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "turn_words": _TURN_WORDS,
             "agent_turns": args.agent_turns,
             "agent_start_tokens": _AGENT_START_TOKENS,
+            "huge_chars": args.huge_chars,
+            "huge_seconds": args.huge_seconds,
+            "short_tokens": _SHORT_TOKENS,
             "chars_per_token": round(gen.chars_per_token, 3),
             "backend": "nginx, canned completion (no engine: only the router is measured)",
             "method": "paired: each request straight to nginx, then through the router; added = difference",
@@ -319,12 +493,16 @@ def render(payload: dict[str, Any]) -> str:
     routers: list[str] = []
     problems = []
     agents = []
+    besides = []
     for r in payload["results"]:
         if "problem" in r:
             problems.append(f"! {r['router']}: {r['problem']}")
             continue
         if r["mode"] == "agent":
             agents.append(r)
+            continue
+        if r["mode"] == "beside-huge":
+            besides.append(r)
             continue
         if r["router"] not in routers:
             routers.append(r["router"])
@@ -375,7 +553,43 @@ def render(payload: dict[str, Any]) -> str:
                 ],
             ),
         ]
+    if besides:
+        lines += ["", render_beside_huge(besides, s)]
     return "\n".join(lines)
+
+
+def render_beside_huge(rows: Sequence[dict[str, Any]], settings: dict[str, Any]) -> str:
+    """The short prompts' added latency beside a huge one, against idle, per router."""
+    return "\n".join(
+        [
+            f"{settings['short_tokens']}-token prompts beside a {settings['huge_chars']:,}-character prompt in"
+            f" flight through the same router for {settings['huge_seconds']:g} s (added ms, paired vs direct"
+            " nginx; only short prompts whose routed leg lay wholly inside a huge request count as beside)",
+            table(
+                [
+                    "router",
+                    "idle p50 / p90",
+                    "beside p50 / p90 / p99 / max",
+                    "beside n",
+                    "huge done (p50 s)",
+                    "errors short / huge",
+                ],
+                [
+                    [
+                        r["router"],
+                        f"{fmt(r['idle_p50_ms'], 2)} / {fmt(r['idle_p90_ms'], 2)}",
+                        f"{fmt(r['beside_p50_ms'], 2)} / {fmt(r['beside_p90_ms'], 2)} / "
+                        f"{fmt(r['beside_p99_ms'], 2)} / {fmt(r['beside_max_ms'], 2)}",
+                        f"{r['beside']} of {r['short_timed']}",
+                        f"{r['huge_done']} ({fmt(r['huge_p50_s'], 2)})",
+                        f"{r['errors']} / {r['huge_errors']}"
+                        + (f" (HTTP {r['huge_statuses']})" if r["huge_errors"] else ""),
+                    ]
+                    for r in rows
+                ],
+            ),
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,7 @@ import json
 import re
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -199,12 +200,15 @@ def start_router(
     cfg: RouterConfig,
     probe_prompt: str = "ping",
     timeout: float = 90.0,
+    env: Mapping[str, str] | None = None,
 ) -> RunningRouter:
+    """``env``: more of the router's environment; KVSTRATA_ROUTER_* variables set kvstrata's settings
+    (peers ignore them)."""
     port, metrics_port = free_port(), free_port()
     proc = procs.start(
         name.replace("/", "_"),
         router_argv(name, port, workers, cfg, metrics_port),
-        env={"RUST_LOG": "warn", **variant_env(name)},
+        env={"RUST_LOG": "warn", **(env or {}), **variant_env(name)},
     )
     url = f"http://127.0.0.1:{port}"
     body = json.dumps({"model": cfg.model, "prompt": probe_prompt, "max_tokens": 1}).encode()
