@@ -93,6 +93,11 @@ _FIRST_CHUNKS_UNTIL = 4096  # characters from the start cut in first-chunk sizes
 _TAIL_CHUNK_CHARS = 64
 # A batch of pieces is encoded in parallel only if the pieces besides its largest hold this many characters.
 _PARALLEL_MIN_CHARS = 256
+# A parallel batch holds at most this many characters (a few milliseconds of the tokenizer's threads):
+# every tokenizer call of the process queues behind a batch already in the library's thread pool, so a
+# 4 MB prompt encoded as one batch held a short prompt's encode on the event loop for 1.1-1.4 s
+# (`make bench-router-overhead`, beside-huge).
+_BATCH_MAX_CHARS = 16_384
 # Long prompts (over _RECENT_MIN_CHARS) remember where their chunks end, so that the next turn (a prompt
 # starting with the whole of one) skips the per-chunk walk: at most _RECENT_PER_KEY per first
 # _RECENT_KEY_CHARS characters, _RECENT_MAX_CHARS in all.
@@ -341,13 +346,29 @@ class IncrementalEncoder:
 
     # --- encoding --------------------------------------------------------------------------------
     def _ids(self, pieces: Sequence[str], parallel: bool = True) -> list[list[int]]:
+        return list(self._each_ids(pieces, parallel))
+
+    def _each_ids(self, pieces: Sequence[str], parallel: bool = True) -> Iterator[list[int]]:
+        """Each piece's ids, in order. Parallel batches hold at most :data:`_BATCH_MAX_CHARS`: the
+        tokenizer library spreads a batch over one thread pool shared by every thread of the process,
+        and a batch joins that pool's queue behind any batch already there."""
         tok = self.tokenizer
         sizes = [len(p) for p in pieces]
-        if parallel and len(pieces) > 1 and sum(sizes) - max(sizes) >= _PARALLEL_MIN_CHARS:
-            return [e.ids for e in tok.encode_batch_fast(list(pieces), add_special_tokens=False)]
-        # All but one piece small (an extending turn: its new text and a short last piece): spreading
-        # the batch over the library's threads costs more (~40 µs) than it saves.
-        return [tok.encode_batch_fast([p], add_special_tokens=False)[0].ids for p in pieces]
+        if not (parallel and len(pieces) > 1 and sum(sizes) - max(sizes) >= _PARALLEL_MIN_CHARS):
+            # All but one piece small (an extending turn: its new text and a short last piece): spreading
+            # the batch over the library's threads costs more (~40 µs) than it saves.
+            for p in pieces:
+                yield tok.encode_batch_fast([p], add_special_tokens=False)[0].ids
+            return
+        start, chars = 0, 0
+        for i, n in enumerate(sizes):
+            if chars + n > _BATCH_MAX_CHARS and i > start:
+                for e in tok.encode_batch_fast(list(pieces[start:i]), add_special_tokens=False):
+                    yield e.ids
+                start, chars = i, 0
+            chars += n
+        for e in tok.encode_batch_fast(list(pieces[start:]), add_special_tokens=False):
+            yield e.ids
 
     def full_ids(self, text: str) -> list[int]:
         """The ids of a whole-prompt encode (what the engine computes)."""
@@ -373,11 +394,12 @@ class IncrementalEncoder:
                     return False
         return True
 
-    def encode(self, text: str) -> Encoded:
-        """(tokens, block hashes, characters reused) of ``text``, as a whole encode + hash would give."""
+    def encode(self, text: str, parallel: bool = True) -> Encoded:
+        """(tokens, block hashes, characters reused) of ``text``, as a whole encode + hash would give;
+        ``parallel`` as for :meth:`finish`."""
         walked = self.walk(text)
         assert walked is not None  # a blocking walk always gets the lock
-        return self.finish(text, walked)
+        return self.finish(text, walked, parallel)
 
     def walk(self, text: str, blocking: bool = True) -> Walk | None:
         """The cached chunks ``text`` starts with (None if ``blocking`` is off and another thread holds
@@ -464,18 +486,19 @@ class IncrementalEncoder:
             cuts += self.cuts(text, start, step=_TAIL_CHUNK_CHARS)
         bounds = [pos, *cuts, len(text)]
         pieces = [text[a:b] for a, b in pairwise(bounds)]
-        all_ids = self._ids(pieces, parallel)
         # One digest pass over all the new tokens, not one per piece; each piece's chain state is read
-        # off where its tokens end.
+        # off where its tokens end. The tokens go into an array, which the garbage collector does not
+        # walk: a million ids in lists made each collection during a 4 MB prompt a pause of 20-180 ms
+        # for every thread, the event loop's too.
         bs = self.block_size
         before = state.tokens - len(state.leftover)  # tokens (whole blocks) before the leftover
-        tokens = list(state.leftover)
+        tokens = array("q", state.leftover)
         ends: list[int] = []
-        for ids in all_ids[:-1]:
-            tokens += ids
+        for ids in self._each_ids(pieces, parallel):
+            tokens.extend(ids)
             ends.append(len(tokens))
-        tokens += all_ids[-1]
-        tokens += self.suffix
+        ends.pop()  # every piece but the last ends a chunk
+        tokens.extend(self.suffix)
         digests = block_digests(tokens[: len(tokens) // bs * bs], bs, parent=state.last, algo=self.algo)
         got = chain(map(to_external, digests))
         ctx = self._reach + 2

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
+from typing import Any
 
 from aiohttp import web
 from test_router_proxy import RouterFactory, completion, free_port, make_router
@@ -72,3 +74,63 @@ async def test_a_huge_prompt_does_not_hold_up_a_short_one(make_router: RouterFac
     # The huge prompt was tokenized for real (no character-block fallback) and reached the engine.
     assert "kvstrata_router_fallbacks_total{" not in text
     assert max(sizes) > 4_000_000
+
+
+class _Progress:
+    """The tokenizer, counting the characters each thread's calls have finished encoding."""
+
+    def __init__(self, tok: Any) -> None:
+        self._tok = tok
+        self.done: dict[int, int] = {}
+
+    def encode_batch_fast(self, texts: list[str], add_special_tokens: bool = True) -> Any:
+        out = self._tok.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+        me = threading.get_ident()
+        self.done[me] = self.done.get(me, 0) + sum(map(len, texts))
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tok, name)
+
+
+async def test_a_huge_prompt_leaves_the_tokenizer_to_short_ones(make_router: RouterFactory) -> None:
+    """Short prompts cut into several pieces (tokenized as one batch over the tokenizer library's
+    thread pool, which every thread of the process shares) are encoded while a 4 MB prompt is: each
+    finishes before half of the huge prompt has been. Seen before the fix: the huge prompt went to
+    that pool as one batch of ~4,000 pieces, and a short prompt's batch on the event loop queued behind
+    all of it (the loop stood still 1.1-1.4 s, `make bench-router-overhead` beside-huge)."""
+    from kvstrata_dev.testing.tinymodel import default_tiny_model_dir, ensure_tiny_model
+
+    async def engine(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response({"choices": [{"text": "ok"}]})
+
+    app = web.Application(client_max_size=64 << 20)
+    app.router.add_post("/v1/completions", engine)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    tok = str(ensure_tiny_model(default_tiny_model_dir()))
+    h = await make_router([f"http://127.0.0.1:{port}"], tokenizer=tok, maxPromptChars=5_000_000)
+    local = h.svc.router.tokenizer
+    progress = _Progress(local.tokenizer)
+    local.tokenizer = progress
+    for enc in local._encoders.values():
+        enc.tokenizer = progress
+    huge = _huge_prompt(4_000_000)
+    big = asyncio.create_task(h.post("/v1/completions", completion(prompt=huge)))
+    # Until the huge prompt's thread has encoded something: it is being tokenized.
+    while not any(n for t, n in progress.done.items() if t != threading.get_ident()):
+        await asyncio.sleep(0.005)
+    huge_done_at: list[float] = []
+    for i in range(3):
+        # ~900 characters: tokenized on the event loop, in several pieces.
+        words = " ".join(random.Random(i).choice(_WORDS) for _ in range(180))
+        status, _, _ = await h.post("/v1/completions", completion(prompt=f"short {i}: {words}"))
+        assert status == 200
+        huge_done_at.append(max(n for t, n in progress.done.items() if t != threading.get_ident()))
+    status, _, _ = await big
+    await runner.cleanup()
+    assert status == 200
+    assert max(huge_done_at) < len(huge) / 2, huge_done_at

@@ -488,6 +488,27 @@ def test_evicts_keeps_no_more_blocks_per_engine_than_it_can_weigh() -> None:
     assert len(evicts.used["a"]) == 1024  # max(pool, 1024): nothing older is ever weighed
 
 
+def test_a_huge_prompt_touches_only_the_blocks_the_recency_bounds_keep() -> None:
+    """Fit and evicts keep at most a few pools' worth of blocks per engine, newest last; touching only a
+    huge prompt's last blocks leaves each in the state that touching them all, then trimming, did."""
+    from kvstrata_native import Recency
+
+    a = ep("a", kv_blocks=1500)
+    fit, evicts = FitScorer(window_s=30.0), EvictsScorer(window_s=10.0)
+    earlier, huge = list(range(1, 3001)), list(range(10_000, 48_000))
+    for scorer, recency, limit in ((fit, fit.demand, 4 * 1500), (evicts, evicts.used, 1500)):
+        want = Recency()
+        for at, hashes in ((1.0, earlier), (2.0, huge)):
+            scorer.on_routed(a, at, hashes)
+            want.touch(hashes, at)
+            want.trim(limit)
+        got = recency["a"]
+        assert len(got) == len(want) == limit
+        assert [got.touched_at_rank(i) for i in range(limit + 1)] == [
+            want.touched_at_rank(i) for i in range(limit + 1)
+        ]
+
+
 async def test_an_evicted_prefix_goes_where_its_prefill_evicts_the_coldest_blocks() -> None:
     """Family draw 338: the group's home held another tenant's prompt used a moment ago, the other
     engines prompts used seconds before; going home evicted the hot prompt and both tenants missed."""
