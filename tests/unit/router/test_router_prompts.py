@@ -128,6 +128,22 @@ def test_parse_request_shapes() -> None:
     assert exc.value.status == 400 and exc.value.body()["error"]["param"] == "prompt"
 
 
+def test_a_long_list_of_token_ids_is_checked_and_sized_in_slices() -> None:
+    """Ids are checked a slice at a time (each C call holds the GIL) and sized without a call per id:
+    the same answers as one pass, a non-int anywhere refused."""
+    ids = list(range(100_000))
+    p = parse_request(json.dumps({"model": "m", "prompt": ids}).encode(), "completion", "m")
+    assert p.token_ids == ids and p.size == 4 * len(ids)
+    for bad in (1.5, True, "7", None):
+        for at in (0, 32_767, 32_768, 99_999):  # either side of a slice's edge, and the last
+            prompt = [*ids[:at], bad, *ids[at + 1 :]]
+            with pytest.raises(BadRequest) as exc:
+                parse_request(json.dumps({"model": "m", "prompt": prompt}).encode(), "completion", "m")
+            assert exc.value.body()["error"]["param"] == "prompt", (bad, at)
+    p = parse_request(b'{"model":"m","prompt":[[1,2],[3]]}', "completion", "m")
+    assert p.size == 12  # a batch of id lists: every id counts
+
+
 async def test_short_prompts_are_tokenized_inline_long_ones_in_the_pool(tok_dir: Path) -> None:
     """The thread hop costs more than encoding a short prompt; a long one must not hold the loop."""
     from kvstrata.api.router_config import RouterSettings
