@@ -53,7 +53,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 from tokenizers import Tokenizer
 
@@ -219,12 +219,17 @@ class _State(NamedTuple):
     leftover: tuple[int, ...]
 
 
-@dataclass(slots=True)
-class _Node:
-    id: int
-    chars: int  # the chunk's length (its key also holds the context after it)
-    hashes: array[int]  # 64-bit hashes of the blocks completed within this chunk
-    state: _State
+# A cached chunk: (node id, the chunk's length (its key also holds the context after it), the 64-bit
+# hashes of the blocks completed within it as the bytes of an array('Q'), the chain state after it as a
+# plain tuple). Plain tuples of ints and bytes, not objects (nor arrays, which the collector tracks): the
+# garbage collector stops tracking such tuples within a few collections (nested ones after those inside
+# them), and a full chunk cache is ~30,000 chunks (as objects, a full collection walked them for ~55 ms,
+# every thread and the event loop held meanwhile; as tuples, ~0.1 ms).
+_Node = tuple[int, int, bytes, tuple[int, bytes, tuple[int, ...]]]
+_ID: Final = 0
+_CHARS: Final = 1
+_HASHES: Final = 2
+_STATE: Final = 3
 
 
 class Walk(NamedTuple):
@@ -254,7 +259,7 @@ class _Trie:
     # (parent id, chunk text + the context its cut depends on) -> node; least recently used first.
     nodes: OrderedDict[tuple[int, str], _Node] = field(default_factory=OrderedDict)
     # parent id -> the key lengths of its children (most often one).
-    key_lens: dict[int, list[int]] = field(default_factory=dict)
+    key_lens: dict[int, tuple[int, ...]] = field(default_factory=dict)
     chars: int = 0
     next_id: int = 1
 
@@ -436,8 +441,10 @@ class IncrementalEncoder:
                 if node is None:
                     break
                 path.append(key)
-                hashes += node.hashes
-                parent_id, state, pos = node.id, node.state, pos + node.chars
+                hashes.frombytes(node[_HASHES])
+                parent_id, raw_state, pos = node[_ID], node[_STATE], pos + node[_CHARS]
+            if path:
+                state = _State(*raw_state)
             # Most recently used last, parents after their children: eviction takes leaves first.
             for key in reversed(path):
                 nodes.move_to_end(key)
@@ -548,15 +555,15 @@ class IncrementalEncoder:
                 key = (parent, key_text)
                 node = trie.nodes.get(key)
                 if node is None:
-                    node = _Node(trie.next_id, chars, got, state)
+                    node = (trie.next_id, chars, got.tobytes(), (state.tokens, state.last, state.leftover))
                     trie.next_id += 1
                     trie.nodes[key] = node
                     trie.chars += len(key_text)
-                    lens = trie.key_lens.setdefault(parent, [])
+                    lens = trie.key_lens.get(parent, ())
                     if len(key_text) not in lens:
-                        lens.insert(0, len(key_text))
-                        del lens[_MAX_KEY_LENS:]
-                parent = node.id
+                        # A tuple, not a list: untracked by the collector like the nodes.
+                        trie.key_lens[parent] = (len(key_text), *lens)[:_MAX_KEY_LENS]
+                parent = node[_ID]
             while trie.chars > self.max_cached_chars and trie.nodes:
                 (_, old_text), _ = trie.nodes.popitem(last=False)
                 trie.chars -= len(old_text)
