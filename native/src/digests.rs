@@ -106,8 +106,9 @@ fn cbor_block(out: &mut Vec<u8>, parent: &[u8; 32], tokens: &[i64]) {
     out.push(0xf6); // null
 }
 
-/// The chained digests of every full block of ``tokens``: what router/hashing.py's
-/// ``block_digests`` returns, for ``algo`` ``sha256`` (pickle) or ``sha256_cbor``.
+/// The chained digests of every full block of ``tokens`` (an ``array('q')``, read as a buffer, or any
+/// sequence of ints): what router/hashing.py's ``block_digests`` returns, for ``algo`` ``sha256``
+/// (pickle) or ``sha256_cbor``.
 #[pyfunction]
 pub fn block_digests<'py>(
     py: Python<'py>,

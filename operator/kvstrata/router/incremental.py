@@ -5,7 +5,8 @@ Multi-turn and agent prompts extend an earlier prompt. The encoder cuts every pr
 (parent chunk, chunk text). A prompt that extends a known one walks the trie over its shared chunks
 (a slice and a dict lookup per chunk, no tokenization), then tokenizes only the chunks that are new
 plus the unfinished tail, and hashes only the blocks those tokens complete. A cold prompt is tokenized
-chunk by chunk in one ``encode_batch_fast`` call (the Rust library spreads the chunks over its threads).
+chunk by chunk in ``encode_batch_fast`` calls of at most 16K characters each (the Rust library spreads
+a call's chunks over its threads), or one chunk per call when the caller keeps it to one core.
 
 Exactness, i.e. ``ids(chunk_0) + ids(chunk_1) + ... == ids(prompt)`` for the engine's tokenizer, holds
 for tokenizers with this shape, read from tokenizer.json (:func:`prove`):
