@@ -161,6 +161,28 @@ def _post(conn: http.client.HTTPConnection, req: Request) -> tuple[int, float]:
     return resp.status, time.perf_counter() - t0
 
 
+def _pair(
+    direct: http.client.HTTPConnection, routed: http.client.HTTPConnection, req: Request
+) -> tuple[float, float] | None:
+    """``req`` straight to nginx, then through the router: (when the routed leg started, the ms the
+    router added), or None if either answered other than 200."""
+    s1, t_direct = _post(direct, req)
+    start = time.perf_counter()
+    s2, t_router = _post(routed, req)
+    if s1 != 200 or s2 != 200:
+        return None
+    return start, (t_router - t_direct) * 1e3
+
+
+def _pairs(
+    direct: http.client.HTTPConnection, routed: http.client.HTTPConnection, reqs: Sequence[Request]
+) -> tuple[list[float], int]:
+    """:func:`_pair` for each of ``reqs``: the ms the router added to those answered 200 both ways, and
+    how many were not."""
+    pairs = [_pair(direct, routed, req) for req in reqs]
+    return [p[1] for p in pairs if p is not None], sum(p is None for p in pairs)
+
+
 def _conn(url: str) -> http.client.HTTPConnection:
     u = urlsplit(url)
     return http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port or 80, timeout=120)
@@ -198,13 +220,7 @@ def _measure(
             _post(routed, warm)
             _settle(router_url)  # processed, as it would be by the time an engine answered it
         cpu0 = group_cpu_seconds(pgid)
-        for req in prompts:
-            s1, t_direct = _post(direct, req)
-            s2, t_router = _post(routed, req)
-            if s1 != 200 or s2 != 200:
-                errors += 1
-                continue
-            added.append((t_router - t_direct) * 1e3)
+        added, errors = _pairs(direct, routed, prompts)
         _settle(router_url)  # the cell's CPU includes work the router did after answering
         cpu = group_cpu_seconds(pgid) - cpu0
     finally:
@@ -277,13 +293,7 @@ def _measure_beside_huge(
     errors = 0
     sender = HugeSender(router_url, huge)
     try:
-        for req in idle:
-            s1, t_direct = _post(direct, req)
-            s2, t_router = _post(routed, req)
-            if s1 != 200 or s2 != 200:
-                errors += 1
-                continue
-            idle_added.append((t_router - t_direct) * 1e3)
+        idle_added, errors = _pairs(direct, routed, idle)
         sender.start()
         sender.sending.wait(60)
         time.sleep(0.05)  # the huge body is on the wire: localhost takes a few ms for 4 MB
@@ -291,13 +301,12 @@ def _measure_beside_huge(
         for req in itertools.cycle(short):
             if time.perf_counter() >= deadline or not sender.is_alive():
                 break
-            s1, t_direct = _post(direct, req)
-            t0 = time.perf_counter()
-            s2, t_router = _post(routed, req)
-            if s1 != 200 or s2 != 200:
+            pair = _pair(direct, routed, req)
+            if pair is None:
                 errors += 1
                 continue
-            legs.append((t0, t0 + t_router, (t_router - t_direct) * 1e3))
+            start, added = pair
+            legs.append((start, time.perf_counter(), added))
     finally:
         sender.stop.set()
         sender.join(300)

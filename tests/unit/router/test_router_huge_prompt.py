@@ -37,7 +37,9 @@ def _huge_prompt(chars: int) -> str:
     return (base + "\n") * (chars // (len(base) + 1) + 1)
 
 
-async def test_a_huge_prompt_does_not_hold_up_a_short_one(make_router: RouterFactory) -> None:
+async def _router_before_a_fake_engine(make_router: RouterFactory) -> tuple[Any, web.AppRunner, list[int]]:
+    """A router with the tiny model's tokenizer that takes 4 MB prompts, before a fake engine that takes
+    4 MB bodies; the engine's runner (to clean up) and the sizes of the bodies it got."""
     from kvstrata_dev.testing.tinymodel import default_tiny_model_dir, ensure_tiny_model
 
     sizes: list[int] = []
@@ -46,7 +48,7 @@ async def test_a_huge_prompt_does_not_hold_up_a_short_one(make_router: RouterFac
         sizes.append(len(await request.read()))
         return web.json_response({"choices": [{"text": "ok"}]})
 
-    app = web.Application(client_max_size=64 << 20)  # a fake engine that takes 4 MB bodies
+    app = web.Application(client_max_size=64 << 20)
     app.router.add_post("/v1/completions", engine)
     runner = web.AppRunner(app)
     await runner.setup()
@@ -54,6 +56,11 @@ async def test_a_huge_prompt_does_not_hold_up_a_short_one(make_router: RouterFac
     await web.TCPSite(runner, "127.0.0.1", port).start()
     tok = str(ensure_tiny_model(default_tiny_model_dir()))
     h = await make_router([f"http://127.0.0.1:{port}"], tokenizer=tok, maxPromptChars=5_000_000)
+    return h, runner, sizes
+
+
+async def test_a_huge_prompt_does_not_hold_up_a_short_one(make_router: RouterFactory) -> None:
+    h, runner, sizes = await _router_before_a_fake_engine(make_router)
     huge = _huge_prompt(4_000_000)
     done: list[str] = []
 
@@ -99,20 +106,7 @@ async def test_a_huge_prompt_leaves_the_tokenizer_to_short_ones(make_router: Rou
     finishes before half of the huge prompt has been. Seen before the fix: the huge prompt went to
     that pool as one batch of ~4,000 pieces, and a short prompt's batch on the event loop queued behind
     all of it (the loop stood still 1.1-1.4 s, `make bench-router-overhead` beside-huge)."""
-    from kvstrata_dev.testing.tinymodel import default_tiny_model_dir, ensure_tiny_model
-
-    async def engine(request: web.Request) -> web.Response:
-        await request.read()
-        return web.json_response({"choices": [{"text": "ok"}]})
-
-    app = web.Application(client_max_size=64 << 20)
-    app.router.add_post("/v1/completions", engine)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    tok = str(ensure_tiny_model(default_tiny_model_dir()))
-    h = await make_router([f"http://127.0.0.1:{port}"], tokenizer=tok, maxPromptChars=5_000_000)
+    h, runner, _ = await _router_before_a_fake_engine(make_router)
     local = h.svc.router.tokenizer
     progress = _Progress(local.tokenizer)
     local.tokenizer = progress
