@@ -7,7 +7,6 @@
 //! 128K-token prompt): a prompt hashed in a background thread held up the event loop's requests.
 //! Here the digests are computed with the GIL released.
 
-use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -128,11 +127,9 @@ pub fn block_digests<'py>(
     if block_size == 0 || (!cbor && 16 + 9 * block_size >= PICKLE_FRAME_TARGET) {
         return Err(PyValueError::new_err(format!("unsupported block size {block_size}")));
     }
-    // An ``array('q')`` is copied out in one pass (a million tokens: ~1 ms); a list converts each int.
-    let tokens: Vec<i64> = match PyBuffer::<i64>::get(tokens) {
-        Ok(buf) => buf.to_vec(py)?,
-        Err(_) => tokens.extract()?,
-    };
+    // Copied out while the GIL is held (an ``array('q')`` in one pass, a million tokens ~1 ms), so no
+    // other thread can change them while they are hashed without it.
+    let tokens: Vec<i64> = crate::with_ints(tokens, |t: &[i64]| t.to_vec())?;
     let digests: Vec<[u8; 32]> = py.detach(|| {
         let mut buf = Vec::with_capacity(64 + 9 * block_size);
         tokens

@@ -119,11 +119,8 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return msgs
 
 
-def _prompt_size(p: Any, ids: bool = False) -> int:
-    """Characters of a prompt (a token id counts 4). ``ids``: ``p`` is known to be token ids (a million
-    of them, summed one call each, took 240 ms)."""
-    if ids:
-        return 4 * len(p)
+def _prompt_size(p: Any) -> int:
+    """Characters of a prompt (a token id counts 4)."""
     if isinstance(p, str):
         return len(p)
     if isinstance(p, int):
@@ -182,6 +179,8 @@ def parse_request(
         raise BadRequest("'stream' must be a boolean", param="stream")
     if kind == "completion":
         text, ids = _prompt(body)
+        # A list of ids is sized by its length: a million of them, summed one call each, took 240 ms.
+        size = 4 * len(ids) if ids is body["prompt"] else _prompt_size(body["prompt"])
         out = ParsedRequest(
             kind,
             body,
@@ -189,7 +188,7 @@ def parse_request(
             stream,
             text=text,
             token_ids=ids,
-            size=_prompt_size(body["prompt"], ids is body["prompt"]),
+            size=size,
         )
     else:
         msgs = _messages(body)

@@ -333,12 +333,8 @@ class FitScorer(ScorerHooks):
         blocks = self.demand.get(ep.url)
         if blocks is None:
             blocks = self.demand[ep.url] = Recency()
-        # Bounded whatever the window: past a few pools' worth the answer is "over" anyway. Only the
-        # hashes the bound keeps are touched (the same state: the newest are the prompt's last), so a
-        # 4 MB prompt's 38,000 blocks cost the event loop 4,096 touches, not 38,000 and a trim.
-        limit = 4 * max(ep.kv_blocks, 1024)
-        blocks.touch(hashes[-limit:], now)
-        blocks.trim(limit)
+        # Bounded whatever the window: past a few pools' worth the answer is "over" anyway.
+        blocks.touch(hashes, now, 4 * max(ep.kv_blocks, 1024))
 
     def on_hashed(self, ep: Endpoint, now: float, hashes: Sequence[int]) -> None:
         self.on_routed(ep, now, hashes)
@@ -443,11 +439,8 @@ class EvictsScorer(ScorerHooks):
         used = self.used.get(ep.url)
         if used is None:
             used = self.used[ep.url] = Recency()
-        # Past its pool's size nothing older is ever weighed (so only those hashes are touched, as in
-        # FitScorer.on_routed).
-        limit = max(ep.kv_blocks, 1024)
-        used.touch(hashes[-limit:], now)
-        used.trim(limit)
+        # Past its pool's size nothing older is ever weighed.
+        used.touch(hashes, now, max(ep.kv_blocks, 1024))
 
     def on_hashed(self, ep: Endpoint, now: float, hashes: Sequence[int]) -> None:
         self.on_routed(ep, now, hashes)

@@ -152,6 +152,24 @@ def test_recency_expires_the_oldest_touches_first() -> None:
     assert len(r) == 2 and r.expire_before(6.0) == 2
 
 
+def test_a_bounded_touch_is_a_touch_then_a_trim() -> None:
+    """``touch(hashes, now, limit)`` touches only the last ``limit`` hashes: the state a touch of all of
+    them and a trim to ``limit`` leave, whether the earlier entries survive or not."""
+    rng = random.Random(4)
+    for limit in (1, 5, 40, 200):
+        bounded, reference = Recency(), Recency()
+        for step in range(6):
+            hashes = array("Q", (rng.getrandbits(64) for _ in range(rng.randrange(0, 120))))
+            bounded.touch(hashes, float(step), limit)
+            reference.touch(hashes, float(step))
+            reference.trim(limit)
+            assert len(bounded) == len(reference)
+            ranks = range(len(reference) + 1)
+            assert [bounded.touched_at_rank(i) for i in ranks] == [
+                reference.touched_at_rank(i) for i in ranks
+            ]
+
+
 def test_recency_follows_an_ordered_dict_on_random_operations() -> None:
     rng = random.Random(9)
     universe = [rng.getrandbits(64) for _ in range(40)]
