@@ -15,7 +15,7 @@ import pytest
 from kvstrata.planner import plan
 from kvstrata.render import render
 from kvstrata.render.objects import ENGINE_CONTAINER
-from kvstrata_dev.testing.engines import engine_args, engine_dtype, engine_spec, native_bf16
+from kvstrata_dev.testing.engines import VllmEngine, engine_args, engine_dtype, engine_spec, native_bf16
 from kvstrata_dev.testing.tinymodel import TinyModelParams, hf_config
 
 EVENTS = '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5600","topic":"kv-events"'
@@ -153,3 +153,20 @@ def test_test_engines_render_the_dtype_chosen_for_this_cpu(model_dir: Path) -> N
     per_token = plan(spec, suggest_fixes=False).kv_bytes_per_token_per_rank
     bf16 = plan(spec.model_copy(update={"model": spec.model.model_copy(update={"dtype": "bfloat16"})}))
     assert per_token == bf16.kv_bytes_per_token_per_rank * (2 if engine_dtype() == "float32" else 1)
+
+
+def test_rebound_engine_keeps_every_flag_but_its_ports_and_log(tmp_path: Path) -> None:
+    """What start_all boots in place of an engine whose port was taken before vLLM bound it."""
+    first = VllmEngine.from_argv(["/bin/python", "-m", "api", *OLD_WITH_EVENTS], log_path=tmp_path / "e.log")
+    again = first.rebound()
+    fresh = {again.port, again.kv_events_port, again.kv_replay_port}
+    assert None not in fresh and len(fresh) == 3
+    assert not fresh & {first.port, first.kv_events_port, first.kv_replay_port}
+    assert again.log_path != first.log_path and again.log_path.parent == tmp_path
+    events = json.loads(again.argv[again.argv.index("--kv-events-config") + 1])
+    assert events["endpoint"] == f"tcp://*:{again.kv_events_port}"
+    assert events["replay_endpoint"] == f"tcp://127.0.0.1:{again.kv_replay_port}"
+    assert again.argv[again.argv.index("--port") + 1] == str(again.port)
+    changed = {i for i, (a, b) in enumerate(zip(first.argv, again.argv, strict=True)) if a != b}
+    assert {first.argv[i - 1] for i in changed} == {"--port", "--kv-events-config"}
+    assert again.env == first.env and not again.running()

@@ -87,8 +87,9 @@ def planned_engines(
         )
         engine = VllmEngine.from_argv(args, rebind_engine_env(p.engine_env), log_path=log_dir / f"{name}.log")
         out[name] = (p, engine)
-    engines = [e for _, e in out.values()]
-    start_all(engines, timeout=900)
+    # An engine whose port was taken before it bound comes back rebound: keep what start_all returns.
+    engines = start_all([e for _, e in out.values()], timeout=900)
+    out = {name: (p, e) for (name, (p, _)), e in zip(out.items(), engines, strict=True)}
     try:
         yield out
     finally:

@@ -481,6 +481,31 @@ class VllmEngine:
         self.started_at: float | None = None
         self.ready_after_s: float | None = None
 
+    def rebound(self) -> VllmEngine:
+        """The same engine, not started, on fresh ports and with its own log: what replaces one whose
+        port was taken between the pick and vLLM's bind."""
+        port = free_port()
+        events = free_port() if self.kv_events_port is not None else None
+        replay = free_port() if self.kv_replay_port is not None else None
+        engine = type(self).__new__(type(self))
+        engine._init(
+            argv=rebind_engine_args(
+                self.argv,
+                port=port,
+                kv_events_port=events,
+                kv_replay_port=replay,
+                host=self.host if replay is not None else None,
+            ),
+            env=self.env,
+            host=self.host,
+            port=port,
+            served_model_name=self.served_model_name,
+            kv_events_port=events,
+            kv_replay_port=replay,
+            log_path=self.log_path.with_name(f"{self.log_path.stem}-port-{port}{self.log_path.suffix}"),
+        )
+        return engine
+
     # --- addresses ---------------------------------------------------------------------------
     @property
     def base_url(self) -> str:
@@ -724,7 +749,8 @@ def start_all(
 ) -> list[VllmEngine]:
     """Start engines at once (on 2 cores three boot in ~150 s instead of ~3 x 70 s) and wait for all;
     on any failure stop every one of them before raising. An engine that found one of its ports taken
-    is replaced by ``remake(its index)`` (fresh ports), at most PORT_RETRIES times: ports are picked
+    is replaced by ``remake(its index)``, by default :meth:`VllmEngine.rebound` (the same flags on
+    fresh ports), at most PORT_RETRIES times: ports are picked
     free before the start but bound only when vLLM gets to them, and engines booting side by side pick
     their internal ports the same way, so one can take a port handed to another (seen: the KV-event
     publisher's bind failing)."""
@@ -739,10 +765,10 @@ def start_all(
                     started[i].wait_ready(timeout=max(1.0, deadline - time.monotonic()))
                     break
                 except EngineError:
-                    if remake is None or attempt == PORT_RETRIES or not started[i].port_was_taken():
+                    if attempt == PORT_RETRIES or not started[i].port_was_taken():
                         raise
                     started[i].stop()
-                    started[i] = remake(i).start()
+                    started[i] = (remake(i) if remake else started[i].rebound()).start()
     except BaseException:
         stop_all(started)
         raise
