@@ -383,7 +383,9 @@ class Router:
 
     def _pending_rest(self, hashes: array[int], matches: dict[str, PrefixMatch]) -> _Rest | None:
         """The earlier prompt whose leading blocks are all this one matches anywhere, if its rest is still
-        being hashed: once hashed, its prediction may cover much more of this prompt.
+        being hashed, or hashed but not yet applied to its decision (its result reached the loop in the
+        turn this request is decided in, before the done callbacks ran): once applied, its prediction may
+        cover much more of this prompt.
 
         :meth:`_probe` finds it only while this prompt's walk stops before the probe's end; the
         background thread caches chunks as it goes, so in a burst the walk often runs past it and this
@@ -395,8 +397,8 @@ class Router:
         best = max((m.blocks for m in matches.values()), default=0)
         if not 0 < best < len(hashes):
             return None
-        rest = self._rests.get(hashes[best - 1])
-        return rest if rest is not None and not rest.done.done() else None
+        # A rest leaves _rests in its first done callback; the one that applies it runs right after.
+        return self._rests.get(hashes[best - 1])
 
     def _rest_done(self, key: int, done: asyncio.Future[tuple[int, array[int]]]) -> None:
         rest = self._rests.get(key)

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from kvstrata.api.router_config import RouterSettings
+from kvstrata.router import core
 from kvstrata.router.core import Router
 from kvstrata.router.hashing import block_hashes
 from kvstrata.router.metrics import RouterMetrics
@@ -208,6 +209,39 @@ async def test_a_request_whose_only_match_is_a_prompt_still_being_hashed_waits_f
     assert shared > probe
     assert decided.matches[home.url].blocks == shared
     assert decided.order[0] is home and decided.reason == "prefix"
+
+
+async def test_a_request_decided_as_the_rest_it_matches_settles_waits_for_that_rest_to_apply(
+    router: Router, tok: LocalTokenizer
+) -> None:
+    """The background thread finishes an earlier prompt's rest, and its result reaches the loop, in the
+    same turn of the loop as a request that matches only that prompt's leading blocks is decided, before
+    the done callbacks that apply the rest to the earlier decision have run. The request must wait for
+    them: deciding at once, it saw the leading blocks alone predicted where the earlier prompt went
+    (family draw 700: a tenant's second user at a burst's start went to another engine and prefilled
+    the tenant's system prompt again)."""
+    text = document(60, 3000)
+    other = text[:1500] + " and then a different short question about it"
+    release = hold_back_rests(router)
+    try:
+        first = await router.decide(completion(text))
+        home = first.order[0]
+        router.commit(first, home)
+        probe = len(first.hashes)
+        (rest,) = router._rests.values()
+        got = router._finish(rest.enc, rest.text, rest.walked)  # what the background thread computes
+        core._settle_rest(rest.done, got)  # its result reaches the loop; the done callbacks are queued
+        # Decided in this task, at once (a new task would be queued behind the callbacks).
+        decided = await router.decide(completion(other))
+        full = block_hashes(tok.encode_completion(text), BLOCK)
+        mine = block_hashes(tok.encode_completion(other), BLOCK)
+        shared = next(i for i, (a, b) in enumerate(zip(full, mine, strict=False)) if a != b)
+        assert shared > probe
+        assert list(first.hashes) == list(full)
+        assert decided.matches[home.url].blocks == shared
+        assert decided.order[0] is home and decided.reason == "prefix"
+    finally:
+        release.set()
 
 
 def busy_background(router: Router, jobs: int) -> threading.Event:
