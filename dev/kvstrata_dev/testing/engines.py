@@ -485,26 +485,18 @@ class VllmEngine:
         """The same engine, not started, on fresh ports and with its own log: what replaces one whose
         port was taken between the pick and vLLM's bind."""
         port = free_port()
-        events = free_port() if self.kv_events_port is not None else None
         replay = free_port() if self.kv_replay_port is not None else None
-        engine = type(self).__new__(type(self))
-        engine._init(
-            argv=rebind_engine_args(
-                self.argv,
-                port=port,
-                kv_events_port=events,
-                kv_replay_port=replay,
-                host=self.host if replay is not None else None,
-            ),
-            env=self.env,
-            host=self.host,
+        argv = rebind_engine_args(
+            self.argv,
             port=port,
-            served_model_name=self.served_model_name,
-            kv_events_port=events,
+            kv_events_port=free_port() if self.kv_events_port is not None else None,
             kv_replay_port=replay,
-            log_path=self.log_path.with_name(f"{self.log_path.stem}-port-{port}{self.log_path.suffix}"),
+            # Only where the replay endpoint is rewritten: a --host the argv lacks stays vLLM's default.
+            host=self.host if replay is not None else None,
         )
-        return engine
+        # from_argv reads the new ports back from the flags; self.env already holds the base env.
+        log = self.log_path.with_name(f"{self.log_path.stem}-port-{port}{self.log_path.suffix}")
+        return type(self).from_argv(argv, self.env, log_path=log, host=self.host, kv_cache_space_gib=None)
 
     # --- addresses ---------------------------------------------------------------------------
     @property
