@@ -14,7 +14,6 @@ chosen by outcome.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from bench.client import Result
 from bench.cpuquota import CpuQuotas
 from bench.family import Draw, conversations, draw, engine_blocks, paired, schedule
 from bench.procs import BenchError, ProcGroup, bench_main
-from bench.report import fmt, machine, mean, percentile, table, write_json
+from bench.report import fmt, machine, mean, percentile, read_json, table, write_json
 from bench.router_bench import (
     ENGINE_EXTRA_ARGS,
     ENGINES,
@@ -559,7 +558,7 @@ def render(payload: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.report:
-        print(render(combine([json.loads(path.read_text()) for path in args.report])))
+        print(render(combine([read_json(path) for path in args.report])))
         return 0
     return bench_main("bench-router", lambda: run(args), render, args.out)
 

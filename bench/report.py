@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -70,15 +71,44 @@ def group_cpu_seconds(pgid: int) -> float:
     return total / _CLK_TCK
 
 
+# The vector extensions a CPU engine's speed, and so every figure, depends on (vLLM's CPU kernels pick
+# their path by them); machines of one kind have differed in them.
+_ISA_FLAGS = frozenset({"avx2", "avx512f", "avx512_bf16", "amx_tile"})
+
+
+def _cpu() -> dict[str, Any]:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: the platform string is all there is
+        return {"cpu_model": platform.processor() or None, "cpu_isa": []}
+    fields: dict[str, str] = {}
+    for line in info.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())  # the first CPU's: they are alike
+    return {
+        "cpu_model": fields.get("model name"),
+        "cpu_isa": sorted(_ISA_FLAGS & set(fields.get("flags", "").split())),
+    }
+
+
 def machine() -> dict[str, Any]:
     return {
         "cpus": os.cpu_count(),
+        **_cpu(),
         "platform": platform.platform(),
         "python": platform.python_version(),
         # Other work on the machine skews every figure: record how busy it was.
         "loadavg_1m_5m_15m": [round(x, 2) for x in os.getloadavg()],
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+
+
+def read_json(path: Path) -> Any:
+    """A benchmark's JSON as written by :func:`write_json`, or gzipped (``.gz``: the runs kept in
+    ``bench/results/``, which a report pools with new ones)."""
+    raw = path.read_bytes()
+    return json.loads(gzip.decompress(raw) if path.suffix == ".gz" else raw)
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import pytest
 from bench import family
 from bench.family import Draw, conversations, draw, fit_budget, paired, schedule
-from bench.family_bench import KVSTRATA, combine, pooled
+from bench.family_bench import KVSTRATA, combine, pooled, render
+from bench.report import read_json
+
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 
 
 def words(text: str) -> int:
@@ -133,6 +137,17 @@ def test_runs_of_two_seed_windows_pool_as_one_and_a_seed_twice_is_refused() -> N
     lone["routers"] = [KVSTRATA, "peer/y"]
     with pytest.raises(SystemExit, match="share no comparison"):
         combine([first, {**lone, "draws": [{**lone["draws"][0], "seed": 6}]}])
+
+
+def test_the_kept_runs_pool_and_render() -> None:
+    """The family runs kept in bench/results/ are what docs/benchmarks.md's figures are recomputed
+    from: each still reads, they pool as one (no seed twice), and the report renders them."""
+    runs = [read_json(path) for path in sorted(RESULTS.glob("family-*.json.gz"))]
+    assert runs, f"no kept run in {RESULTS}"
+    both = combine(runs)
+    assert len(both["draws"]) == sum(len(r["draws"]) for r in runs) >= 20
+    assert {"pressure", "rich"} <= {d["regime"] for d in both["draws"]}
+    assert "pressure:" in render(both) and "rich:" in render(both)
 
 
 def test_the_best_peer_is_taken_figure_by_figure_and_a_kvstrata_variant_is_no_peer() -> None:
