@@ -147,7 +147,8 @@ def test_the_kept_runs_pool_and_render() -> None:
     both = combine(runs)
     assert len(both["draws"]) == sum(len(r["draws"]) for r in runs) >= 20
     assert {"pressure", "rich"} <= {d["regime"] for d in both["draws"]}
-    assert "pressure:" in render(both) and "rich:" in render(both)
+    report = render(both)
+    assert "pressure:" in report and "rich:" in report
 
 
 def test_the_best_peer_is_taken_figure_by_figure_and_a_kvstrata_variant_is_no_peer() -> None:
