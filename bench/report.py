@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvstrata_dev.testing.engines import cpuinfo_field
+
 
 def percentile(values: Sequence[float], q: float) -> float | None:
     """Nearest-rank percentile (q in 0..100); None for no values."""
@@ -81,14 +83,9 @@ def _cpu() -> dict[str, Any]:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:  # not Linux: the platform string is all there is
         return {"cpu_model": platform.processor() or None, "cpu_isa": []}
-    fields: dict[str, str] = {}
-    for line in info.splitlines():
-        key, sep, value = line.partition(":")
-        if sep:
-            fields.setdefault(key.strip(), value.strip())  # the first CPU's: they are alike
     return {
-        "cpu_model": fields.get("model name"),
-        "cpu_isa": sorted(_ISA_FLAGS & set(fields.get("flags", "").split())),
+        "cpu_model": cpuinfo_field(info, "model name"),
+        "cpu_isa": sorted(_ISA_FLAGS & set((cpuinfo_field(info, "flags") or "").split())),
     }
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,7 +13,9 @@ from bench.family import Draw, conversations, draw, fit_budget, paired, schedule
 from bench.family_bench import KVSTRATA, combine, pooled, render
 from bench.report import read_json
 
-RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+from kvstrata_dev.repo import REPO
+
+RESULTS = REPO / "bench" / "results"
 
 
 def words(text: str) -> int:

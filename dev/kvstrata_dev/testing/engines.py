@@ -42,13 +42,18 @@ _EXCEPTION_LINE = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception): .*$")
 _NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
+def cpuinfo_field(cpuinfo: str, name: str) -> str | None:
+    """The first CPU's ``name`` field in a ``/proc/cpuinfo`` text (the CPUs of one machine are alike)."""
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == name:
+            return value.strip()
+    return None
+
+
 def native_bf16(cpuinfo: str) -> bool:
     """Whether a CPU with this ``/proc/cpuinfo`` computes bfloat16 natively."""
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "flags":
-            return not _NATIVE_BF16_FLAGS.isdisjoint(value.split())
-    return False
+    return not _NATIVE_BF16_FLAGS.isdisjoint((cpuinfo_field(cpuinfo, "flags") or "").split())
 
 
 @functools.cache
