@@ -49,6 +49,10 @@ KVSTRATA_VARIANTS: dict[str, dict[str, str]] = {
     "overdue": {"KVSTRATA_ROUTER_ADMISSION": '{"overdueAfterPrefills": 1.0}'},
     # Without the evicts scorer (twenty-third session): a cold prompt placed as before it.
     "no-evicts": {"KVSTRATA_ROUTER_WEIGHTS": '{"evicts": 0}'},
+    # A held request never stolen by another engine while its own is in rotation (thirty-fourth session:
+    # in family draws 714 and 725 each steal evicted a live conversation elsewhere, whose next turn then
+    # went cold or was stolen in turn).
+    "no-steal": {"KVSTRATA_ROUTER_ADMISSION": '{"stealWhenHomeHoldsNoMore": false}'},
     # The share bound (off by default) at the factor it was built with.
     "share-bound": {"KVSTRATA_ROUTER_SHARE_BOUND_FACTOR": "1.3"},
 }

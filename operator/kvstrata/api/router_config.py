@@ -188,6 +188,12 @@ class AdmissionSettings(_Wire):
         "would cost there (its extra prefill and that of the cached blocks it evicts, at that engine's "
         "recent pace); off: it moves only if that costs no more prefill than its own engine",
     )
+    steal_when_home_holds_no_more: bool = Field(
+        True,
+        description="Send a held request to another engine with room when its own engine no longer "
+        "holds more of its prompt than that one (stolen); off: it waits for its own engine unless that "
+        "engine is out of rotation or silent",
+    )
     assumed_output_tokens: int = Field(
         256,
         ge=0,

@@ -430,7 +430,9 @@ class Gate:
         (:meth:`_move_at`)."""
         here = w.keys.get(ep.url, math.inf)
         home = w.keys.get(w.home.url, math.inf)
-        if w.home not in usable or self.deps.silent(w.home) or here <= home + self.deps.block_size:
+        if w.home not in usable or self.deps.silent(w.home):
+            return Admitted.STOLEN
+        if self.settings.steal_when_home_holds_no_more and here <= home + self.deps.block_size:
             return Admitted.STOLEN
         return Admitted.MOVED if now >= self._move_at(w, ep, here - home) else None
 

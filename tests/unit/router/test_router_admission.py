@@ -224,9 +224,26 @@ async def test_a_cold_request_moves_to_an_engine_with_room_but_a_warm_one_stays(
     assert (await asyncio.wait_for(warm, 1)).endpoint is w.eps[0]
 
 
-@pytest.mark.parametrize("fault", ["silent", "ejected or gone"])
-async def test_a_request_waiting_on_a_silent_or_lost_engine_goes_elsewhere(fault: str) -> None:
+async def test_without_stealing_a_cold_request_waits_for_its_own_engine() -> None:
     w = World(10, 10)
+    w.gate.settings = AdmissionSettings(steal_when_home_holds_no_more=False)
+    busy = await w.gate.admit(w.decision(hashes(1, 8), 0), 0)
+    other = await w.gate.admit(w.decision(hashes(9, 8), 1), 0)
+    cold = asyncio.ensure_future(w.gate.admit(w.decision(hashes(2, 8), 0), 0))
+    await asyncio.sleep(0.01)
+    w.gate.release(other.claim)  # e1 has room, and would cost the cold one no more than e0
+    await asyncio.sleep(0.01)
+    assert not cold.done() and w.moved == []
+    w.gate.release(busy.claim)
+    grant = await asyncio.wait_for(cold, 1)
+    assert grant.how is Admitted.QUEUED and grant.endpoint is w.eps[0]
+
+
+@pytest.mark.parametrize("steal", [True, False])
+@pytest.mark.parametrize("fault", ["silent", "ejected or gone"])
+async def test_a_request_waiting_on_a_silent_or_lost_engine_goes_elsewhere(fault: str, steal: bool) -> None:
+    w = World(10, 10)
+    w.gate.settings = AdmissionSettings(steal_when_home_holds_no_more=steal)
     await w.gate.admit(w.decision(hashes(1, 8), 0), 0)  # never released: the engine is wedged
     w.held["http://e0"].update(hashes(3, 8))
     warm = asyncio.ensure_future(w.gate.admit(w.decision(hashes(3, 8), 0), 0))
