@@ -10,7 +10,8 @@ running request per engine).
 So a request whose engine has no room for it is held here instead, and when room frees the engine gets
 the held request that costs it the least prefill now (its cached prefix is still there: serve it before
 something evicts it), oldest first among equals. A held request whose prefix no engine holds better goes
-to whichever engine frees room first (*stolen*), since moving it loses no hit. With
+to whichever engine frees room first (*stolen*), since moving it loses none of its own hit
+(``stealWhenHomeHoldsNoMore``; off, it waits for its own engine while that one is in rotation). With
 ``moveWhenHeldPastPrefill`` (off by default) a held request whose prefix its home holds better also
 *moves* to an engine with room once it has waited as long as moving would cost there, at that engine's
 recent pace: its extra prefill, and the prefill of the cached blocks that evicts (rent or buy: built for
