@@ -10,13 +10,16 @@ Work no request waits for (the rest of a prompt routed on its leading blocks) ha
 so a backlog of it never delays work a request does wait for; at most ``largePromptQueue`` such jobs
 run or wait there.
 
-The large and background threads run at the kernel's idle priority (Linux ``SCHED_IDLE``): their CPU
-is what nothing else in the pod wants, so a 4 MB prompt's second of tokenizing yields the core to the
-event loop and the tokenizer threads of every short request the moment they wake. (At normal priority
-it took a core beside them, and short prompts waited for the scheduler: `make bench-router-overhead`,
+The large-prompt thread runs at the kernel's idle priority (Linux ``SCHED_IDLE``): its CPU is what
+nothing else in the pod wants, so a 4 MB prompt's second of tokenizing yields the core to the event
+loop and the tokenizer threads of every short request the moment they wake. (At normal priority it
+took a core beside them, and short prompts waited for the scheduler: `make bench-router-overhead`,
 beside-huge, p99 added 8.3-9.4 ms; idle: 5.9-6.4 ms, the huge prompt itself 0.2-0.4 s slower.) The
 price is that under a router saturated by short requests a large prompt advances slowly, holding its
-``largePromptQueue`` slot, and further large prompts route on character blocks instead.
+``largePromptQueue`` slot, and further large prompts route on character blocks instead. The background
+thread keeps normal priority: a follow-up that needs a rest it has not hashed yet hashes it itself,
+and how often that would happen with the rest starved (by engines sharing the router's cores, as in
+the family benchmark) is not measured.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ class WorkPools:
     def __init__(self, threads: int, large_chars: int, large_queue: int) -> None:
         self.small = ThreadPoolExecutor(threads, thread_name_prefix="kvstrata-tok")
         self.large = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-tok-large", initializer=yield_cpu)
-        self.background = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-tok-bg", initializer=yield_cpu)
+        self.background = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-tok-bg")
         self.large_chars = large_chars
         self.large_queue = large_queue
         self.large_pending = 0
