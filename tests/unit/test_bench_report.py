@@ -8,6 +8,8 @@ from pathlib import Path
 
 from bench.report import machine, read_json, write_json
 
+from kvstrata_dev.testing.engines import cpuinfo_field
+
 
 def test_a_run_reads_back_the_same_plain_or_gzipped(tmp_path: Path) -> None:
     payload = {"routers": ["kvstrata/kv-aware", "peer/x"], "draws": [{"seed": 9, "hit_rate": 0.8}]}
@@ -23,10 +25,6 @@ def test_the_machine_names_its_cpu_and_the_vector_extensions_engines_depend_on()
     assert m["cpus"] and m["date_utc"].endswith("Z")
     assert set(m["cpu_isa"]) <= {"avx2", "avx512f", "avx512_bf16", "amx_tile"}
     if sys.platform == "linux":
-        flags = next(
-            line.split(":", 1)[1].split()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("flags")
-        )
+        flags = (cpuinfo_field(Path("/proc/cpuinfo").read_text(), "flags") or "").split()
         assert ("avx2" in m["cpu_isa"]) == ("avx2" in flags)
         assert m["cpu_model"]

@@ -37,7 +37,7 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
-def yield_cpu() -> None:
+def _idle_cpu_priority() -> None:
     """Put the calling thread at idle CPU priority (Linux; elsewhere, or where a sandbox refuses the
     call, it keeps its priority: the pools still bound the work, only the scheduler does not help)."""
     try:
@@ -63,7 +63,9 @@ def _on_loop_when_done(fut: Future[Any], loop: asyncio.AbstractEventLoop, call: 
 class WorkPools:
     def __init__(self, threads: int, large_chars: int, large_queue: int) -> None:
         self.small = ThreadPoolExecutor(threads, thread_name_prefix="kvstrata-tok")
-        self.large = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-tok-large", initializer=yield_cpu)
+        self.large = ThreadPoolExecutor(
+            1, thread_name_prefix="kvstrata-tok-large", initializer=_idle_cpu_priority
+        )
         self.background = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-tok-bg")
         self.large_chars = large_chars
         self.large_queue = large_queue
