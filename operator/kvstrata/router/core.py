@@ -259,23 +259,14 @@ class Router:
         if make is None:
             return None
         s = self.settings
-        got = make(add_special_tokens, s.block_size, s.hash_algo).encode(text, self._spread(len(text)))
+        got = make(add_special_tokens, s.block_size, s.hash_algo).encode(text)
         if got.reused_chars:
             self.metrics.prompt_chars.labels("reused").inc(got.reused_chars)
         self.metrics.prompt_chars.labels("tokenized").inc(len(text) - got.reused_chars)
         return int(got.tokens), got.hashes
 
-    def _spread(self, chars: int) -> bool:
-        """Whether tokenizing ``chars`` new characters may use every core: not past largePromptChars,
-        where it would hold them all for seconds and every request beside it would wait for a core
-        (4 MB prompts in flight: a short prompt's added p50 3.8 -> 10.5 ms spread, 4.7 ms on one core;
-        `make bench-router-overhead`, beside-huge)."""
-        return chars <= self.settings.large_prompt_chars
-
-    def _finish(
-        self, enc: IncrementalEncoder, text: str, walked: Walk, parallel: bool = True
-    ) -> tuple[int, array[int]]:
-        got = enc.finish(text, walked, parallel=parallel)
+    def _finish(self, enc: IncrementalEncoder, text: str, walked: Walk) -> tuple[int, array[int]]:
+        got = enc.finish(text, walked)
         if got.reused_chars:
             self.metrics.prompt_chars.labels("reused").inc(got.reused_chars)
         self.metrics.prompt_chars.labels("tokenized").inc(len(text) - got.reused_chars)
@@ -304,7 +295,7 @@ class Router:
                 if new <= _INLINE_TOKENIZE_CHARS * 2:
                     n, hashes = self._finish(enc, text, walked)
                 else:
-                    n, hashes = await self._offload(new, self._finish, enc, text, walked, self._spread(new))
+                    n, hashes = await self._offload(new, self._finish, enc, text, walked)
                 return Hashed(hashes, False, n)
         n, hashes = await self._offload(
             len(text), self._hash_rendered if chat else self._hash_completion, text
@@ -338,8 +329,8 @@ class Router:
         estimate = probe.tokens + round((len(text) - probe.chars) * per_char) + len(enc.suffix)
         loop = asyncio.get_running_loop()
         rest = _Rest(enc, text, walked, loop.create_future())
-        # One piece at a time, on the background thread: nothing waits for this work, so it must not
-        # take cores or pool threads from the requests that do. With a backlog there, it waits for the
+        # On the background thread: nothing waits for this work, so it must not take pool threads from
+        # the requests that do. With a backlog there, it waits for the
         # next request that needs it (:meth:`_take_over`), if one comes.
         rest.job = self.work.submit_background(self._hash_rest, rest, loop)
         self.metrics.routed_on_leading_blocks.labels("skipped" if rest.job is None else "deferred").inc()
@@ -354,9 +345,7 @@ class Router:
         """On the background thread: hash ``rest`` and settle it on the loop (a request that takes the
         work over first cancels this job before it starts; a settled rest ignores a late result)."""
         try:
-            got: tuple[int, array[int]] | BaseException = self._finish(
-                rest.enc, rest.text, rest.walked, False
-            )
+            got: tuple[int, array[int]] | BaseException = self._finish(rest.enc, rest.text, rest.walked)
         except Exception as exc:  # handed to the loop, like a result
             got = exc
         loop.call_soon_threadsafe(_settle_rest, rest.done, got)
@@ -373,7 +362,7 @@ class Router:
             try:
                 new = len(rest.text) - rest.walked.pos
                 got: tuple[int, array[int]] | BaseException = await self._offload(
-                    new, self._finish, rest.enc, rest.text, rest.walked, self._spread(new)
+                    new, self._finish, rest.enc, rest.text, rest.walked
                 )
             except Exception as exc:  # PoolBusy, a tokenizer error: waiters go on without it
                 got = exc

@@ -5,8 +5,7 @@ Multi-turn and agent prompts extend an earlier prompt. The encoder cuts every pr
 (parent chunk, chunk text). A prompt that extends a known one walks the trie over its shared chunks
 (a slice and a dict lookup per chunk, no tokenization), then tokenizes only the chunks that are new
 plus the unfinished tail, and hashes only the blocks those tokens complete. A cold prompt is tokenized
-chunk by chunk in ``encode_batch_fast`` calls of at most 16K characters each (the Rust library spreads
-a call's chunks over its threads), or one chunk per call when the caller keeps it to one core.
+chunk by chunk in ``encode_batch_fast`` calls of at most 16K characters each, on the calling thread.
 
 Exactness, i.e. ``ids(chunk_0) + ids(chunk_1) + ... == ids(prompt)`` for the engine's tokenizer, holds
 for tokenizers with this shape, read from tokenizer.json (:func:`prove`):
@@ -92,12 +91,8 @@ _FIRST_CHUNKS_UNTIL = 4096  # characters from the start cut in first-chunk sizes
 # A prompt's last cut is at most this far from its end (see finish): a next turn re-tokenizes about this
 # many characters of the prompt it extends.
 _TAIL_CHUNK_CHARS = 64
-# A batch of pieces is encoded in parallel only if the pieces besides its largest hold this many characters.
-_PARALLEL_MIN_CHARS = 256
-# A parallel batch holds at most this many characters (a few milliseconds of the tokenizer's threads):
-# every tokenizer call of the process queues behind a batch already in the library's thread pool, so a
-# 4 MB prompt encoded as one batch held a short prompt's encode on the event loop for 1.1-1.4 s
-# (`make bench-router-overhead`, beside-huge).
+# One tokenizer call takes pieces of at most this many characters in all (a millisecond or two): fewer
+# calls than one per piece, and a bounded batch of results in memory at once.
 _BATCH_MAX_CHARS = 16_384
 # Long prompts (over _RECENT_MIN_CHARS) remember where their chunks end, so that the next turn (a prompt
 # starting with the whole of one) skips the per-chunk walk: at most _RECENT_PER_KEY per first
@@ -351,21 +346,15 @@ class IncrementalEncoder:
             pos = c
 
     # --- encoding --------------------------------------------------------------------------------
-    def _ids(self, pieces: Sequence[str], parallel: bool = True) -> list[list[int]]:
-        return list(self._each_ids(pieces, parallel))
+    def _ids(self, pieces: Sequence[str]) -> list[list[int]]:
+        return list(self._each_ids(pieces))
 
-    def _each_ids(self, pieces: Sequence[str], parallel: bool = True) -> Iterator[list[int]]:
-        """Each piece's ids, in order. Parallel batches hold at most :data:`_BATCH_MAX_CHARS`: the
-        tokenizer library spreads a batch over one thread pool shared by every thread of the process,
-        and a batch joins that pool's queue behind any batch already there."""
+    def _each_ids(self, pieces: Sequence[str]) -> Iterator[list[int]]:
+        """Each piece's ids, in order, by calls of at most :data:`_BATCH_MAX_CHARS` characters. In the
+        router the library encodes a call's pieces on the calling thread, one after another
+        (``workpool.tokenize_on_calling_threads``)."""
         tok = self.tokenizer
         sizes = [len(p) for p in pieces]
-        if not (parallel and len(pieces) > 1 and sum(sizes) - max(sizes) >= _PARALLEL_MIN_CHARS):
-            # All but one piece small (an extending turn: its new text and a short last piece): spreading
-            # the batch over the library's threads costs more (~40 µs) than it saves.
-            for p in pieces:
-                yield tok.encode_batch_fast([p], add_special_tokens=False)[0].ids
-            return
         start, chars = 0, 0
         for i, n in enumerate(sizes):
             if chars + n > _BATCH_MAX_CHARS and i > start:
@@ -400,12 +389,11 @@ class IncrementalEncoder:
                     return False
         return True
 
-    def encode(self, text: str, parallel: bool = True) -> Encoded:
-        """(tokens, block hashes, characters reused) of ``text``, as a whole encode + hash would give;
-        ``parallel`` as for :meth:`finish`."""
+    def encode(self, text: str) -> Encoded:
+        """(tokens, block hashes, characters reused) of ``text``, as a whole encode + hash would give."""
         walked = self.walk(text)
         assert walked is not None  # a blocking walk always gets the lock
-        return self.finish(text, walked, parallel)
+        return self.finish(text, walked)
 
     def walk(self, text: str, blocking: bool = True) -> Walk | None:
         """The cached chunks ``text`` starts with (None if ``blocking`` is off and another thread holds
@@ -471,11 +459,10 @@ class IncrementalEncoder:
         out += chain(map(to_external, digests))
         return Probe(out, state.tokens + len(ids), cut)
 
-    def finish(self, text: str, walked: Walk, parallel: bool = True) -> Encoded:
+    def finish(self, text: str, walked: Walk) -> Encoded:
         """Tokenize and hash what :meth:`walk` did not find (the costly part; runs in a thread for long
         remainders), and cache its chunks. Extends ``walked.hashes`` in place: every walk returns a
-        fresh array, used by this one call. ``parallel``: the pieces may be spread over the tokenizer
-        library's threads (not for work nothing waits for)."""
+        fresh array, used by this one call."""
         pos, state, hashes, parent_id, base = walked
         if parent_id < 0:  # not enabled: one whole encode, hashed from the root
             ids = self.full_ids(text)
@@ -502,7 +489,7 @@ class IncrementalEncoder:
         before = state.tokens - len(state.leftover)  # tokens (whole blocks) before the leftover
         tokens = array("q", state.leftover)
         ends: list[int] = []
-        for ids in self._each_ids(pieces, parallel):
+        for ids in self._each_ids(pieces):
             tokens.extend(ids)
             ends.append(len(tokens))
         ends.pop()  # every piece but the last ends a chunk

@@ -36,6 +36,7 @@ from kvstrata.router.prompts import LocalTokenizer
 from kvstrata.router.proxy import build_admin_app, build_app
 from kvstrata.router.storage_evictions import StorageEvictions
 from kvstrata.router.subscriber import KvEventSubscriber
+from kvstrata.router.workpool import tokenize_on_calling_threads
 
 log = logging.getLogger("kvstrata.router")
 
@@ -76,6 +77,7 @@ class RouterService:
         # event loop every millisecond instead of every 5 ms (CPython's default), so a request on the
         # loop waits at most about that long behind them.
         sys.setswitchinterval(_GIL_SWITCH_SECONDS)
+        tokenize_on_calling_threads()
         try:
             await self._start()
         except BaseException:

@@ -10,16 +10,17 @@ Work no request waits for (the rest of a prompt routed on its leading blocks) ha
 so a backlog of it never delays work a request does wait for; at most ``largePromptQueue`` such jobs
 run or wait there.
 
-The large-prompt thread runs at the kernel's idle priority (Linux ``SCHED_IDLE``): its CPU is what
-nothing else in the pod wants, so a 4 MB prompt's second of tokenizing yields the core to the event
-loop and the tokenizer threads of every short request the moment they wake. (At normal priority it
-took a core beside them, and short prompts waited for the scheduler: `make bench-router-overhead`,
-beside-huge, p99 added 8.3-9.4 ms; idle: 5.9-6.4 ms, the huge prompt itself 0.2-0.4 s slower.) The
-price is that under a router saturated by short requests a large prompt advances slowly, holding its
-``largePromptQueue`` slot, and further large prompts route on character blocks instead. The background
-thread keeps normal priority: a follow-up that needs a rest it has not hashed yet hashes it itself,
-and how often that would happen with the rest starved (by engines sharing the router's cores, as in
-the family benchmark) is not measured.
+The large-prompt thread runs at the lowest CPU priority of its class (nice 19): under contention a
+4 MB prompt's second of tokenizing takes a small share of a core, and the event loop and the threads
+of short requests the rest. Not the kernel's idle class (``SCHED_IDLE``): a thread there is preempted
+by any wakeup and then waits for whole ticks, and this one holds the GIL between tokenizer calls, so
+the event loop waited for a thread that could not run (`make bench-router-overhead`, beside-huge, with
+the library's own pool off: p99 added 5.0 ms at idle, 2.8-2.9 ms at nice 19 and at normal priority;
+the huge prompt 1.4-1.5 s against 1.2 s). The price of nice 19: under a router saturated by short
+requests a large prompt advances slowly, holding its ``largePromptQueue`` slot, and further large
+prompts route on character blocks instead. The background thread keeps normal priority: a follow-up
+that needs a rest it has not hashed yet hashes it itself, and how often that would happen with the
+rest starved (by engines sharing the router's cores, as in the family benchmark) is not measured.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -36,12 +38,34 @@ T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
+_TOKENIZERS_PARALLELISM = "TOKENIZERS_PARALLELISM"
+_LOWEST_NICE = 19
 
-def _idle_cpu_priority() -> None:
-    """Put the calling thread at idle CPU priority (Linux; elsewhere, or where a sandbox refuses the
-    call, it keeps its priority: the pools still bound the work, only the scheduler does not help)."""
+
+def tokenize_on_calling_threads() -> None:
+    """Make the tokenizer library encode a call's pieces on the thread that calls it, one after another,
+    instead of handing them to its own thread pool (``TOKENIZERS_PARALLELISM``, read at every call).
+
+    Why: these pools decide which thread tokenizes what, and at what priority. The library's pool is a
+    second scheduler beside them, with threads of its own at normal priority: a cold short prompt (a
+    few pieces) handed its pieces to them and waited. Beside a 4 MB prompt in flight, short prompts
+    were slower for it (`make bench-router-overhead`, beside-huge, five paired runs: p90 added 2.4-3.4
+    -> 1.2-1.8 ms, p99 5.6-6.5 -> 4.7-5.2 ms). A long new stretch on a request's path now takes one
+    core instead of two; a cold one is routed on its leading blocks anyway (core.Router._probe), and
+    the overhead bench's cold and extending prompts up to 128K tokens were unchanged in a paired run.
+
+    Call it before the router's threads start (``os.environ`` is the C environment, which is not safe
+    to change while other threads read it)."""
+    if os.environ.get(_TOKENIZERS_PARALLELISM) != "false":
+        os.environ[_TOKENIZERS_PARALLELISM] = "false"
+
+
+def _low_cpu_priority() -> None:
+    """Give the calling thread the lowest priority of the normal class, nice 19 (a per-thread attribute
+    on Linux; elsewhere, or where a sandbox refuses it, the thread keeps its priority: the pools still
+    bound the work, only the scheduler does not help)."""
     try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: the calling thread on Linux
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _LOWEST_NICE)
     except (AttributeError, OSError) as exc:
         log.debug("large-prompt thread keeps its CPU priority: %s", exc)
 
@@ -64,7 +88,7 @@ class WorkPools:
     def __init__(self, threads: int, large_chars: int, large_queue: int) -> None:
         self.small = ThreadPoolExecutor(threads, thread_name_prefix="kvstrata-tok")
         self.large = ThreadPoolExecutor(
-            1, thread_name_prefix="kvstrata-tok-large", initializer=_idle_cpu_priority
+            1, thread_name_prefix="kvstrata-tok-large", initializer=_low_cpu_priority
         )
         self.background = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-tok-bg")
         self.large_chars = large_chars

@@ -8,11 +8,11 @@ a stall mid-stream, a 5xx burst); tests/vllm/test_router_engines.py shows the we
 from __future__ import annotations
 
 import asyncio
-import functools
 import gzip
 import json
 import logging
 import os
+import threading
 import time
 import zlib
 from collections.abc import AsyncIterator, Callable
@@ -34,13 +34,15 @@ from test_router_proxy import (  # fixtures and stand-ins shared with the failov
 )
 
 from kvstrata.api.router_config import RouterSettings
+from kvstrata.router.incremental import IncrementalEncoder
 from kvstrata.router.loadscrape import LoadScraper
 from kvstrata.router.outcomes import FailureKind
 from kvstrata.router.outlier import AllEjected, OutlierDetector
 from kvstrata.router.patience import last_try_patience
 from kvstrata.router.pool import Endpoint, EndpointPool, EndpointSpec
+from kvstrata.router.prompts import LocalTokenizer
 from kvstrata.router.scoring import rendezvous
-from kvstrata.router.workpool import PoolBusy, WorkPools
+from kvstrata.router.workpool import PoolBusy, WorkPools, tokenize_on_calling_threads
 
 __all__ = ["fakes", "make_router"]  # fixtures, used by name
 
@@ -764,18 +766,55 @@ async def test_work_pools_bound_the_large_queue() -> None:
         pools.shutdown()
 
 
-async def test_large_prompt_work_runs_at_idle_cpu_priority() -> None:
-    """A huge prompt's tokenizing yields the CPU to everything else; short prompts' work does not."""
+async def test_large_prompt_work_runs_at_the_lowest_cpu_priority() -> None:
+    """A huge prompt's tokenizing yields the CPU to everything else; short prompts' work does not. Not
+    the idle class: there a thread holding the GIL waits for whole ticks."""
     pools = WorkPools(threads=1, large_chars=100, large_queue=1)
+
+    def nice() -> tuple[int, int]:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), os.sched_getscheduler(0)
+
+    normal = (0, os.SCHED_OTHER)
     try:
-        policy = functools.partial(os.sched_getscheduler, 0)
-        assert await pools.run(1000, policy) == os.SCHED_IDLE
-        assert await pools.run(10, policy) == os.SCHED_OTHER
-        bg = pools.submit_background(policy)
-        assert bg is not None and await asyncio.wrap_future(bg) == os.SCHED_OTHER
-        assert policy() == os.SCHED_OTHER  # the event loop's thread is left alone
+        assert await pools.run(1000, nice) == (19, os.SCHED_OTHER)
+        assert await pools.run(10, nice) == normal
+        bg = pools.submit_background(nice)
+        assert bg is not None and await asyncio.wrap_future(bg) == normal
+        assert nice() == normal  # the event loop's thread is left alone
     finally:
         pools.shutdown()
+
+
+def _share_of_process_cpu_on_calling_thread(enc: IncrementalEncoder, text: str) -> float:
+    """The calling thread's CPU time over the process's while ``enc`` tokenizes all of ``text`` (new to
+    it), called from a fresh thread."""
+    share: list[float] = []
+
+    def encode() -> None:
+        process, thread = time.process_time(), time.thread_time()
+        enc.encode(text)
+        share.append((time.thread_time() - thread) / (time.process_time() - process))
+
+    worker = threading.Thread(target=encode)
+    worker.start()
+    worker.join()
+    return share[0]
+
+
+def test_a_prompt_is_tokenized_on_the_thread_the_router_gave_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tokenizer library's own thread pool is off, so a prompt's pieces are encoded on the pool
+    thread the router chose (at the priority it gave it), not on threads of the library's at normal
+    priority. With the library's pool on, the same call runs almost wholly elsewhere."""
+    from kvstrata_dev.testing.tinymodel import default_tiny_model_dir, ensure_tiny_model
+
+    enc = LocalTokenizer(ensure_tiny_model(default_tiny_model_dir())).incremental(True, 16, "sha256")
+    words = " ".join(f"word{i % 97} and some more text number {i}" for i in range(8000))  # ~320K chars
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
+    assert _share_of_process_cpu_on_calling_thread(enc, "library pool: " + words) < 0.5
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM")
+    tokenize_on_calling_threads()
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "false"
+    assert _share_of_process_cpu_on_calling_thread(enc, "calling thread: " + words) > 0.8
 
 
 # --- surface ------------------------------------------------------------------------------------------
