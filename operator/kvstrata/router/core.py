@@ -330,8 +330,8 @@ class Router:
         loop = asyncio.get_running_loop()
         rest = _Rest(enc, text, walked, loop.create_future())
         # On the background thread: nothing waits for this work, so it must not take pool threads from
-        # the requests that do. With a backlog there, it waits for the
-        # next request that needs it (:meth:`_take_over`), if one comes.
+        # the requests that do. With a backlog there, it waits for the next request that needs it
+        # (:meth:`_take_over`), if one comes.
         rest.job = self.work.submit_background(self._hash_rest, rest, loop)
         self.metrics.routed_on_leading_blocks.labels("skipped" if rest.job is None else "deferred").inc()
         self._rests[key] = rest
