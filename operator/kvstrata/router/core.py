@@ -26,7 +26,7 @@ from kvstrata.router.admission import Gate, GateDeps
 from kvstrata.router.conversations import ConversationBoundFilter, ConversationTracker
 from kvstrata.router.decision import Decision
 from kvstrata.router.hashing import block_hashes, char_block_hashes, check_algo
-from kvstrata.router.incremental import IncrementalEncoder, Walk
+from kvstrata.router.incremental import Encoded, IncrementalEncoder, Walk
 from kvstrata.router.index import BlockIndex, PrefixMatch
 from kvstrata.router.metrics import RouterMetrics
 from kvstrata.router.outlier import OutlierDetector
@@ -259,14 +259,13 @@ class Router:
         if make is None:
             return None
         s = self.settings
-        got = make(add_special_tokens, s.block_size, s.hash_algo).encode(text)
-        if got.reused_chars:
-            self.metrics.prompt_chars.labels("reused").inc(got.reused_chars)
-        self.metrics.prompt_chars.labels("tokenized").inc(len(text) - got.reused_chars)
-        return int(got.tokens), got.hashes
+        return self._counted(text, make(add_special_tokens, s.block_size, s.hash_algo).encode(text))
 
     def _finish(self, enc: IncrementalEncoder, text: str, walked: Walk) -> tuple[int, array[int]]:
-        got = enc.finish(text, walked)
+        return self._counted(text, enc.finish(text, walked))
+
+    def _counted(self, text: str, got: Encoded) -> tuple[int, array[int]]:
+        """``got``'s tokens and hashes, its characters counted as reused or tokenized."""
         if got.reused_chars:
             self.metrics.prompt_chars.labels("reused").inc(got.reused_chars)
         self.metrics.prompt_chars.labels("tokenized").inc(len(text) - got.reused_chars)

@@ -38,6 +38,8 @@ T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
+# The background thread's name: work nothing waits for (tests tell it apart by this).
+BACKGROUND_THREAD_NAME = "kvstrata-tok-bg"
 _TOKENIZERS_PARALLELISM = "TOKENIZERS_PARALLELISM"
 _LOWEST_NICE = 19
 
@@ -90,7 +92,7 @@ class WorkPools:
         self.large = ThreadPoolExecutor(
             1, thread_name_prefix="kvstrata-tok-large", initializer=_low_cpu_priority
         )
-        self.background = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-tok-bg")
+        self.background = ThreadPoolExecutor(1, thread_name_prefix=BACKGROUND_THREAD_NAME)
         self.large_chars = large_chars
         self.large_queue = large_queue
         self.large_pending = 0

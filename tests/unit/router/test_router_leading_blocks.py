@@ -19,6 +19,7 @@ from kvstrata.router.pool import EndpointSpec
 from kvstrata.router.prompts import LocalTokenizer
 from kvstrata.router.requests import ParsedRequest
 from kvstrata.router.scoring import FitScorer
+from kvstrata.router.workpool import BACKGROUND_THREAD_NAME
 from kvstrata_dev.testing.tinymodel import default_tiny_model_dir, ensure_tiny_model
 
 BLOCK = 16
@@ -153,7 +154,7 @@ def hold_back_rests(router: Router) -> threading.Event:
     real = router._finish
 
     def held_back(enc: Any, text: str, walked: Any) -> Any:
-        if threading.current_thread().name.startswith("kvstrata-tok-bg"):  # a rest, after its decision
+        if threading.current_thread().name.startswith(BACKGROUND_THREAD_NAME):  # a rest, after its decision
             assert release.wait(10)
         return real(enc, text, walked)
 
