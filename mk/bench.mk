@@ -1,6 +1,6 @@
 # Benchmarks: kvstrata's router vs vllm-router and sglang-router. Figures are printed and written to
 # .bench/*.json; they never fail a build. See docs/benchmarks.md.
-.PHONY: bench-router bench-router-fixed bench-router-tiers bench-tier-credit bench-proxy bench-router-overhead bench-deps bench-tools bench-lint
+.PHONY: bench-router bench-router-fixed bench-router-tiers bench-tier-credit bench-proxy bench-router-overhead bench-admission bench-deps bench-tools bench-lint
 
 BENCH_DIR ?= .bench
 
@@ -53,6 +53,11 @@ bench-proxy: venv bench-deps bench-tools
 # Writes .bench/overhead.json.
 bench-router-overhead: venv bench-deps bench-tools
 	$(PY) -m bench.overhead_bench --out $(BENCH_DIR)/overhead.json $(BENCH_ARGS)
+
+# What the admission gate costs the router's loop while it holds 10-1,000 requests (in process, the real
+# index, no engine; no peer holds requests). Writes .bench/admission.json.
+bench-admission: venv
+	$(PY) -m bench.admission_bench --out $(BENCH_DIR)/admission.json $(BENCH_ARGS)
 
 bench-lint: venv
 	$(VENV)/bin/ruff check bench

@@ -13,7 +13,7 @@ import pytest
 
 from kvstrata.api.router_config import AdmissionSettings, TierWeights
 from kvstrata.router import admission
-from kvstrata.router.admission import Admitted, Claim, Gate, GateDeps, distinct_blocks
+from kvstrata.router.admission import Admitted, Claim, Gate, GateDeps, Grant, distinct_blocks
 from kvstrata.router.decision import Decision
 from kvstrata.router.followups import FollowUp
 from kvstrata.router.index import PrefixMatch
@@ -259,6 +259,72 @@ async def test_nobody_is_held_longer_than_max_hold() -> None:
     await w.gate.admit(w.decision(hashes(1, 8), 0), 0)
     grant = await asyncio.wait_for(w.gate.admit(w.decision(hashes(2, 8), 0), 0), 2)
     assert grant.how is Admitted.EXPIRED and grant.endpoint is w.eps[0] and grant.held_s >= 0.2
+
+
+async def test_many_held_requests_cost_each_pass_and_each_quiet_second_a_bounded_number_of_lookups(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each held request used to look again on its own timer, and every look weighed every held request:
+    the loop's work grew with the square of how many were held (make bench-admission). Now one timer
+    looks at all of them, and a look weighs each engine's oldest few."""
+    monkeypatch.setattr(admission, "_WEIGHED_PER_ENGINE", 4)
+    monkeypatch.setattr(admission, "_RECHECK_S", 0.1)
+    w = World(10, 10)
+    lookups = 0
+
+    def counted(hs: Sequence[int]) -> dict[str, PrefixMatch]:
+        nonlocal lookups
+        lookups += 1
+        return w.lookup(hs)
+
+    w.gate.deps.lookup = counted
+    for e in (0, 1):
+        await w.gate.admit(w.decision(hashes(100 + e, 8), e), 0)  # never released: nothing fits
+    held = [asyncio.ensure_future(w.gate.admit(w.decision(hashes(i, 8), i % 2), 0)) for i in range(60)]
+    await asyncio.sleep(0.01)
+    assert w.gate.held() == 60
+    lookups = 0
+    w.gate.pump()
+    assert lookups == 2 * 4  # each engine's oldest four
+    lookups = 0
+    await asyncio.sleep(0.55)  # about five looks at all of them
+    assert 0 < lookups <= 6 * 2 * 4, lookups
+    for h in held:
+        h.cancel()
+    await asyncio.gather(*held, return_exceptions=True)
+    assert w.gate.held() == 0
+
+
+async def test_past_the_weighed_few_held_requests_come_forward_in_arrival_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The cheapest of an engine's oldest few goes first; one further back waits until it is among them,
+    and a hold still ends after maxHoldSeconds wherever it is in the line."""
+    monkeypatch.setattr(admission, "_WEIGHED_PER_ENGINE", 2)
+    w = World(10)
+    running = await w.gate.admit(w.decision(hashes(1, 8), 0), 0)
+    w.held["http://e0"].update(hashes(5, 8))  # the engine holds the last one's prompt: it costs nothing
+    order: list[int] = []
+    held: dict[int, asyncio.Future[Grant]] = {}
+    for n in (2, 3, 4, 5):
+        held[n] = asyncio.ensure_future(w.gate.admit(w.decision(hashes(n, 8), 0), 0))
+        held[n].add_done_callback(lambda _, n=n: order.append(n))
+        await asyncio.sleep(0.01)
+    claim = running.claim
+    for _ in held:
+        w.gate.release(claim)  # room for one
+        await asyncio.sleep(0.01)
+        claim = held[order[-1]].result().claim
+    # 5 is the cheapest, but it is weighed only once 2 and 3 have gone; then it goes before the older 4.
+    assert order == [2, 3, 5, 4]
+
+    short = World(10, max_hold_s=0.2)
+    monkeypatch.setattr(admission, "_WEIGHED_PER_ENGINE", 1)
+    await short.gate.admit(short.decision(hashes(1, 8), 0), 0)
+    grants = await asyncio.wait_for(
+        asyncio.gather(*(short.gate.admit(short.decision(hashes(n, 8), 0), 0) for n in (2, 3, 4))), 2
+    )
+    assert [g.how for g in grants] == [Admitted.EXPIRED] * 3
 
 
 async def test_a_client_that_leaves_while_held_is_forgotten() -> None:
