@@ -6,6 +6,7 @@ once through the real router app over loopback HTTP."""
 from __future__ import annotations
 
 import asyncio
+import random
 from array import array
 from collections.abc import Sequence
 
@@ -80,6 +81,31 @@ def test_shared_prefixes_count_once() -> None:
     assert distinct_blocks([a]) == 11
     assert distinct_blocks([a, b, c]) == 11 + 9 - 6 + 5
     assert distinct_blocks([c, b, a]) == distinct_blocks([a, b, c])
+
+
+def test_the_longest_prefix_shared_with_a_running_request_is_found_among_sorted_neighbours() -> None:
+    """A pass asks, per held request and engine, how much of its prompt our running requests there are
+    computing: two neighbours in sorted order answer what a walk over every running request would."""
+    rng = random.Random(7)
+    w = World(10_000)
+    ep = w.eps[0]
+    groups = [hashes(g, 12) for g in range(4)]
+
+    def prompt() -> array[int]:
+        shared = rng.randrange(0, 13)
+        return array(
+            "Q", [*rng.choice(groups)[:shared], *(rng.randrange(1 << 40) for _ in range(rng.randrange(0, 6)))]
+        )
+
+    for _ in range(40):
+        if rng.random() < 0.3 and w.gate._claims.get(ep.url):
+            w.gate.release(rng.choice(w.gate._claims[ep.url]))
+        else:
+            w.gate.claim(ep, w.decision(prompt(), 0), 0)
+        for _ in range(5):
+            key = Claim(ep, prompt(), 0).key
+            walked = max((admission._common_blocks(key, c.key) for c in w.gate._claims[ep.url]), default=0)
+            assert w.gate._running(ep, key) == walked
 
 
 async def test_a_request_waits_for_room_and_takes_it_when_freed() -> None:
