@@ -15,6 +15,9 @@ each, the router's real block index (native tables) holding every prompt's block
 - **idle**: what the held requests cost the loop over one second in which nothing changes (CPU ms and
   index lookups: the gate's rechecks, which bound how stale a held request's view may get).
 
+And once per run, what every admission pays: the room check (`Gate.fits`) of a prompt on a full pool,
+where counting shared prefixes once decides it (µs, mean of 2,000).
+
 No peer router holds requests (each forwards at once and leaves the queue to the engine), so there is no
 peer column: the figures are the gate's own cost, to compare across code versions.
 """
@@ -43,6 +46,7 @@ from kvstrata.router.scoring import RouteRequest
 BLOCK_SIZE = 32
 PROMPT_BLOCKS = 64
 ENGINES = 3
+_FITS_CALLS = 2000
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -117,6 +121,14 @@ async def _measure(held: int, running: int, pool: int) -> dict[str, Any]:
     await asyncio.sleep(0.05)  # every one is held now
     assert gate.held() == held, f"{gate.held()} of {held} held"
 
+    # The room check of every admission, where only counting shared prefixes once can decide it: the
+    # claims' blocks summed exceed the pool. A prompt sharing its first blocks with a running one.
+    probe = array("Q", [*_prompt(1_000_000)[:8], *_prompt(held + 1)[8:]])
+    t = time.perf_counter()
+    for _ in range(_FITS_CALLS):
+        gate.fits(eps[0], PROMPT_BLOCKS, probe)
+    fits_us = (time.perf_counter() - t) / _FITS_CALLS * 1e6
+
     lookup.calls = 0
     t = time.perf_counter()
     gate.pump()
@@ -145,6 +157,7 @@ async def _measure(held: int, running: int, pool: int) -> dict[str, Any]:
         "release_lookups": release_lookups,
         "idle_cpu_ms_per_s": round(idle_cpu_ms, 1),
         "idle_lookups_per_s": idle_lookups,
+        "fits_us": round(fits_us, 2),
     }
 
 
@@ -167,6 +180,8 @@ def render(payload: dict[str, Any]) -> str:
         f"admission gate, {payload['engines']} engines of {payload['pool_blocks']} blocks, "
         f"{payload['running_per_engine']} running requests each, held prompts of {payload['prompt_blocks']} blocks"
     )
+    fits = [r["fits_us"] for r in payload["rows"]]
+    head += f"\nroom check of an admission on a full pool: {min(fits):.1f}-{max(fits):.1f} us"
     rows = [
         [
             str(r["held"]),

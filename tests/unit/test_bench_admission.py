@@ -18,4 +18,4 @@ def test_a_small_run_holds_what_it_says_and_renders_a_row_per_count() -> None:
         # at most once.
         assert 0 < row["pump_lookups"] <= row["held"]
     out = render(payload)
-    assert "held" in out and "idle cpu ms/s" in out and len(out.splitlines()) == 5
+    assert "held" in out and "idle cpu ms/s" in out and len(out.splitlines()) == 6

@@ -83,29 +83,48 @@ def test_shared_prefixes_count_once() -> None:
     assert distinct_blocks([c, b, a]) == distinct_blocks([a, b, c])
 
 
-def test_the_longest_prefix_shared_with_a_running_request_is_found_among_sorted_neighbours() -> None:
-    """A pass asks, per held request and engine, how much of its prompt our running requests there are
-    computing: two neighbours in sorted order answer what a walk over every running request would."""
+def test_the_running_requests_pinned_blocks_are_kept_as_they_come_and_go() -> None:
+    """The gate keeps each engine's running claims as a sorted trie, changed at each claim, release and
+    rehash. Against the plain computation (sort every claim, sum what neighbours do not share), through
+    random claims of prompts that share prefixes: the blocks pinned, whether a prompt fits, and the
+    longest prefix a prompt shares with a running request."""
     rng = random.Random(7)
     w = World(10_000)
     ep = w.eps[0]
     groups = [hashes(g, 12) for g in range(4)]
 
     def prompt() -> array[int]:
-        shared = rng.randrange(0, 13)
-        return array(
-            "Q", [*rng.choice(groups)[:shared], *(rng.randrange(1 << 40) for _ in range(rng.randrange(0, 6)))]
-        )
+        tail = [rng.randrange(1 << 40) for _ in range(rng.randrange(0, 6))]
+        return array("Q", [*rng.choice(groups)[: rng.randrange(0, 13)], *tail])
 
-    for _ in range(40):
-        if rng.random() < 0.3 and w.gate._claims.get(ep.url):
-            w.gate.release(rng.choice(w.gate._claims[ep.url]))
+    def decision(hs: array[int]) -> Decision:
+        return w.decision(hs, 0, tokens=len(hs) * BS + rng.randrange(0, BS))  # a partial last block or not
+
+    leading: list[Decision] = []
+    for _ in range(300):
+        roll = rng.random()
+        claims = w.gate._claims.get(ep.url, [])
+        if roll < 0.3 and claims:
+            w.gate.release(rng.choice(claims))
+        elif roll < 0.4 and leading:
+            d = leading.pop(rng.randrange(len(leading)))  # hashed whole: a longer prompt, more blocks
+            d.hashes = array("Q", [*d.hashes, *prompt()])
+            d.prompt_tokens = len(d.hashes) * BS
+            w.gate.rehashed(d)
         else:
-            w.gate.claim(ep, w.decision(prompt(), 0), 0)
-        for _ in range(5):
-            key = Claim(ep, prompt(), 0).key
-            walked = max((admission._common_blocks(key, c.key) for c in w.gate._claims[ep.url]), default=0)
-            assert w.gate._running(ep, key) == walked
+            d = decision(prompt())
+            w.gate.claim(ep, d, rng.randrange(0, 3 * BS))
+            leading.append(d)
+        claims = w.gate._claims.get(ep.url, [])
+        assert w.gate.in_flight_blocks(ep) == distinct_blocks(claims)
+        hs = prompt()
+        key = Claim(ep, hs, 0).key
+        walked = max((admission._common_blocks(key, c.key) for c in claims), default=0)
+        assert w.gate._running(ep, key) == walked
+        need = distinct_blocks([*claims, Claim(ep, hs, 20)])
+        for pool in (need, need + 1):  # just too small (less the null block), and just enough
+            ep.kv_blocks = pool
+            assert w.gate.fits(ep, 20, hs) == (not claims or need <= pool - 1)
 
 
 async def test_a_request_waits_for_room_and_takes_it_when_freed() -> None:
