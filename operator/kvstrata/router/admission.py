@@ -127,6 +127,7 @@ class _Reservation:
 
     claim: Claim
     until: float
+    open: bool = True  # until its follow-up takes it or it expires
 
 
 @dataclass(eq=False, slots=True)
@@ -141,6 +142,10 @@ class _Waiter:
     weighed: int = -1
     move_at: float = math.inf  # monotonic time it may move to some other engine (this pump's estimate)
     follow_up: FollowUp | None = None  # the request it extends ended within the window, keeping no room
+
+
+def _expiry(r: _Reservation) -> float:
+    return r.until
 
 
 def _common_blocks(a: bytes, b: bytes) -> int:
@@ -252,7 +257,9 @@ class Gate:
         self.max_hold_s = max_hold_s
         self.deps = deps
         self._claims: dict[str, list[Claim]] = {}
-        self._pinned: dict[str, _Pinned] = {}  # the same claims, per endpoint URL, as a sorted trie
+        # The same claims per endpoint URL as sorted tries: alone, and with the rooms kept for follow-ups.
+        self._pinned: dict[str, _Pinned] = {}
+        self._pinned_kept: dict[str, _Pinned] = {}
         self._waiting: list[_Waiter] = []  # in arrival order
         self._held_at: dict[Endpoint, list[_Waiter]] = {}  # the same, by home
         self._recheck: asyncio.TimerHandle | None = None
@@ -260,7 +267,8 @@ class Gate:
         self._followups = FollowUps(
             settings.anticipate_seconds, only_evicted=settings.anticipate_only_evicted
         )
-        self._reserved: dict[str, list[_Reservation]] = {}
+        self._reserved: dict[str, list[_Reservation]] = {}  # per endpoint URL, in order of expiry
+        self._reserved_for: dict[int, list[_Reservation]] = {}  # open ones, by their prompt's last block
 
     # --- bookkeeping -----------------------------------------------------------------------------
     def output(self, output_tokens: int | None) -> int:
@@ -280,7 +288,7 @@ class Gate:
             return None
         c = Claim(ep, decision.hashes, blocks, decision, output)
         self._claims.setdefault(ep.url, []).append(c)
-        self._pinned.setdefault(ep.url, _Pinned()).add(c.key, c.blocks)
+        self._pin(c)
         return c
 
     def rehashed(self, decision: Decision) -> None:
@@ -293,10 +301,9 @@ class Gate:
         for claims in self._claims.values():
             for c in claims:
                 if c.decision is decision and (n := self.blocks(decision, c.output)) is not None:
-                    pinned = self._pinned[c.endpoint.url]
-                    pinned.remove(c.key, c.blocks)
+                    self._unpin(c)
                     c.hashes, c.blocks, c._key = decision.hashes, n, None
-                    pinned.add(c.key, c.blocks)
+                    self._pin(c)
         for w in self._waiting:
             if w.decision is decision and (n := self.blocks(decision, w.output)) is not None:
                 w.claim_blocks = n
@@ -311,7 +318,7 @@ class Gate:
         claims = self._claims.get(claim.endpoint.url)
         if claims is not None and claim in claims:
             claims.remove(claim)
-            self._pinned[claim.endpoint.url].remove(claim.key, claim.blocks)
+            self._unpin(claim)
             if ended and self.settings.anticipate_seconds > 0:
                 self._anticipate(claim)
         if self._waiting:
@@ -323,7 +330,10 @@ class Gate:
         if not self._followups.expected(claim.hashes):
             return
         window = self.settings.anticipate_seconds
-        self._reserved.setdefault(claim.endpoint.url, []).append(_Reservation(claim, now + window))
+        r = _Reservation(claim, now + window)
+        bisect.insort(self._reserved.setdefault(claim.endpoint.url, []), r, key=_expiry)
+        self._reserved_for.setdefault(claim.hashes[-1], []).append(r)
+        self._pinned_kept.setdefault(claim.endpoint.url, _Pinned()).add(claim.key, claim.blocks)
         log.debug(
             "reserve prefix=%016x blocks=%d at %s for %.3fs",
             claim.hashes[0],
@@ -336,25 +346,45 @@ class Gate:
         with contextlib.suppress(RuntimeError):
             asyncio.get_running_loop().call_later(window, self.pump)
 
-    def _reservations(self, ep: Endpoint, now: float) -> list[_Reservation]:
-        """``ep``'s reservations still open (expired ones are dropped here)."""
-        kept = [r for r in self._reserved.get(ep.url, ()) if r.until > now]
-        if kept:
-            self._reserved[ep.url] = kept
-        else:
-            self._reserved.pop(ep.url, None)
-        return kept
+    def _pin(self, c: Claim) -> None:
+        self._pinned.setdefault(c.endpoint.url, _Pinned()).add(c.key, c.blocks)
+        self._pinned_kept.setdefault(c.endpoint.url, _Pinned()).add(c.key, c.blocks)
+
+    def _unpin(self, c: Claim) -> None:
+        self._pinned[c.endpoint.url].remove(c.key, c.blocks)
+        self._pinned_kept[c.endpoint.url].remove(c.key, c.blocks)
+
+    def _close(self, r: _Reservation) -> None:
+        """A kept room is taken or expired: it no longer counts."""
+        r.open = False
+        self._pinned_kept[r.claim.endpoint.url].remove(r.claim.key, r.claim.blocks)
+        same = self._reserved_for[r.claim.hashes[-1]]
+        same.remove(r)
+        if not same:
+            del self._reserved_for[r.claim.hashes[-1]]
+
+    def _expire(self, url: str, now: float) -> None:
+        """Close the rooms kept on ``url`` whose window has ended."""
+        rs = self._reserved.get(url)
+        if not rs or rs[0].until > now:
+            return
+        ended = bisect.bisect_right(rs, now, key=_expiry)
+        for r in rs[:ended]:
+            if r.open:
+                self._close(r)
+        del rs[:ended]
+        if not rs:
+            del self._reserved[url]
 
     def _take_reservation(self, follow_up: FollowUp | None, now: float) -> Endpoint | None:
         """The engine where the request ``follow_up`` extends kept its room, or None. The room is given
         up: the follow-up claims it."""
         if follow_up is None:
             return None
-        for rs in self._reserved.values():
-            for r in rs:
-                if r.until > now and r.claim.hashes[-1] == follow_up.last:
-                    rs.remove(r)
-                    return r.claim.endpoint
+        for r in self._reserved_for.get(follow_up.last, ()):
+            if r.until > now:
+                self._close(r)
+                return r.claim.endpoint
         return None
 
     def in_flight_blocks(self, ep: Endpoint) -> int:
@@ -363,7 +393,8 @@ class Gate:
 
     def reserved_blocks(self, ep: Endpoint) -> int:
         """Blocks kept on ``ep`` for follow-ups of requests that ended there."""
-        return distinct_blocks([r.claim for r in self._reservations(ep, time.monotonic())])
+        self._expire(ep.url, time.monotonic())
+        return distinct_blocks([r.claim for r in self._reserved.get(ep.url, ()) if r.open])
 
     def held(self) -> int:
         return len(self._waiting)
@@ -372,19 +403,16 @@ class Gate:
         """Room for ``blocks`` more on ``ep``: always when nothing of ours runs there (nor is kept for a
         follow-up) or its pool is unknown (a request larger than the pool must still run, and the engine
         says if it cannot). ``kept``: rooms kept for follow-ups count as taken."""
-        pinned = self._pinned.get(ep.url)
-        kept_here = self._reservations(ep, time.monotonic()) if kept and self._reserved else []
-        if ep.kv_blocks <= 0 or not (kept_here or (pinned is not None and pinned.keys)):
+        if ep.kv_blocks <= 0:
+            return True
+        if kept:
+            self._expire(ep.url, time.monotonic())
+        pinned = (self._pinned_kept if kept else self._pinned).get(ep.url)
+        if pinned is None or not pinned.keys:
             return True
         pool = ep.kv_blocks - 1  # vLLM keeps one block of its pool as the null block
-        if kept_here:  # rooms kept for follow-ups: a few, for a fraction of a second
-            claims = [*self._claims.get(ep.url, ()), *(r.claim for r in kept_here)]
-            if sum(c.blocks for c in claims) + blocks <= pool:
-                return True  # the cheap bound: shared prefixes counted as often as they are pinned
-            return distinct_blocks([*claims, Claim(ep, hashes, blocks)]) <= pool
-        assert pinned is not None
         if pinned.total + blocks <= pool:
-            return True
+            return True  # the cheap bound: shared prefixes counted as often as they are pinned
         return pinned.distinct_with(Claim(ep, hashes, blocks).key, blocks) <= pool
 
     # --- admission -------------------------------------------------------------------------------

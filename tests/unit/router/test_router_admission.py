@@ -83,48 +83,63 @@ def test_shared_prefixes_count_once() -> None:
     assert distinct_blocks([c, b, a]) == distinct_blocks([a, b, c])
 
 
-def test_the_running_requests_pinned_blocks_are_kept_as_they_come_and_go() -> None:
-    """The gate keeps each engine's running claims as a sorted trie, changed at each claim, release and
-    rehash. Against the plain computation (sort every claim, sum what neighbours do not share), through
-    random claims of prompts that share prefixes: the blocks pinned, whether a prompt fits, and the
-    longest prefix a prompt shares with a running request."""
+def test_the_pinned_blocks_are_kept_as_requests_and_kept_rooms_come_and_go(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The gate keeps each engine's running claims, alone and with the rooms kept for follow-ups, as
+    sorted tries changed at each claim, release, rehash, kept room taken or expired. Against the plain
+    computation (sort them all, sum what neighbours do not share), through random claims of prompts that
+    share prefixes: the blocks pinned and kept, whether a prompt fits with and without the kept rooms,
+    and the longest prefix a prompt shares with a running request."""
     rng = random.Random(7)
-    w = World(10_000)
+    clock = FrozenClock()
+    monkeypatch.setattr(admission, "time", clock)
+    w = World(10_000, settings=AdmissionSettings(anticipate_seconds=0.25, anticipate_only_evicted=False))
+    monkeypatch.setattr(w.gate._followups, "expected", lambda hs: rng.random() < 0.5)
     ep = w.eps[0]
     groups = [hashes(g, 12) for g in range(4)]
 
     def prompt() -> array[int]:
-        tail = [rng.randrange(1 << 40) for _ in range(rng.randrange(0, 6))]
+        tail = [rng.randrange(1 << 40) for _ in range(rng.randrange(1, 6))]
         return array("Q", [*rng.choice(groups)[: rng.randrange(0, 13)], *tail])
 
-    def decision(hs: array[int]) -> Decision:
-        return w.decision(hs, 0, tokens=len(hs) * BS + rng.randrange(0, BS))  # a partial last block or not
-
     leading: list[Decision] = []
-    for _ in range(300):
+    for _ in range(400):
         roll = rng.random()
         claims = w.gate._claims.get(ep.url, [])
         if roll < 0.3 and claims:
-            w.gate.release(rng.choice(claims))
+            w.gate.release(rng.choice(claims), ended=rng.random() < 0.7)
         elif roll < 0.4 and leading:
             d = leading.pop(rng.randrange(len(leading)))  # hashed whole: a longer prompt, more blocks
             d.hashes = array("Q", [*d.hashes, *prompt()])
             d.prompt_tokens = len(d.hashes) * BS
             w.gate.rehashed(d)
+        elif roll < 0.5:
+            clock.t += rng.choice((0.05, 0.1, 0.3))
+        elif roll < 0.6 and (rooms := [r for rs in w.gate._reserved.values() for r in rs if r.open]):
+            room = rng.choice(rooms).claim
+            follow_up = FollowUp(room.hashes[-1], ep.url, len(room.hashes), room.hashes[0])
+            assert w.gate._take_reservation(follow_up, clock.t) in (ep, None)
         else:
-            d = decision(prompt())
+            d = w.decision(prompt(), 0, tokens=None)
+            d.prompt_tokens = len(d.hashes) * BS + rng.randrange(0, BS)  # a partial last block or not
             w.gate.claim(ep, d, rng.randrange(0, 3 * BS))
             leading.append(d)
         claims = w.gate._claims.get(ep.url, [])
+        kept = [r.claim for rs in w.gate._reserved.values() for r in rs if r.open and r.until > clock.t]
         assert w.gate.in_flight_blocks(ep) == distinct_blocks(claims)
+        assert w.gate.reserved_blocks(ep) == distinct_blocks(kept)
         hs = prompt()
         key = Claim(ep, hs, 0).key
         walked = max((admission._common_blocks(key, c.key) for c in claims), default=0)
         assert w.gate._running(ep, key) == walked
-        need = distinct_blocks([*claims, Claim(ep, hs, 20)])
-        for pool in (need, need + 1):  # just too small (less the null block), and just enough
-            ep.kv_blocks = pool
-            assert w.gate.fits(ep, 20, hs) == (not claims or need <= pool - 1)
+        for pinned in (claims, [*claims, *kept]):
+            need = distinct_blocks([*pinned, Claim(ep, hs, 20)])
+            for pool in (need, need + 1):  # just too small (less the null block), and just enough
+                ep.kv_blocks = pool
+                fits = w.gate.fits(ep, 20, hs, kept=pinned is not claims)
+                assert fits == (not pinned or need <= pool - 1)
+        ep.kv_blocks = 10_000
 
 
 async def test_a_request_waits_for_room_and_takes_it_when_freed() -> None:
