@@ -330,6 +330,9 @@ class Gate:
         if not self._followups.expected(claim.hashes):
             return
         window = self.settings.anticipate_seconds
+        # Rooms are closed as they expire wherever they are counted; a follow-up taking its room counts
+        # none, so where every request is one (an agent's loop) only this keeps the list from growing.
+        self._expire(claim.endpoint.url, now)
         r = _Reservation(claim, now + window)
         bisect.insort(self._reserved.setdefault(claim.endpoint.url, []), r, key=_expiry)
         self._reserved_for.setdefault(claim.hashes[-1], []).append(r)
@@ -381,9 +384,11 @@ class Gate:
         up: the follow-up claims it."""
         if follow_up is None:
             return None
-        for r in self._reserved_for.get(follow_up.last, ()):
+        same = self._reserved_for.get(follow_up.last)
+        while same:  # oldest first: closed whether taken or found expired
+            r = same[0]
+            self._close(r)
             if r.until > now:
-                self._close(r)
                 return r.claim.endpoint
         return None
 

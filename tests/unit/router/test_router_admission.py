@@ -142,6 +142,20 @@ def test_the_pinned_blocks_are_kept_as_requests_and_kept_rooms_come_and_go(
         ep.kv_blocks = 10_000
 
 
+def test_rooms_kept_and_never_taken_do_not_pile_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kept room closes when it expires, also where nothing asks whether a prompt fits there (every
+    request a follow-up taking its own room, as in an agent's loop): the rooms of the last window only."""
+    clock = FrozenClock()
+    monkeypatch.setattr(admission, "time", clock)
+    w = World(10_000, settings=AdmissionSettings(anticipate_seconds=0.25, anticipate_only_evicted=False))
+    monkeypatch.setattr(w.gate._followups, "expected", lambda hs: True)
+    for n in range(1000):
+        w.gate.release(w.gate.claim(w.eps[0], w.decision(hashes(n % 5, 8), 0), 0), ended=True)
+        clock.t += 0.1
+    assert sum(len(rs) for rs in w.gate._reserved.values()) <= 3
+    assert sum(len(rs) for rs in w.gate._reserved_for.values()) <= 3
+
+
 async def test_a_request_waits_for_room_and_takes_it_when_freed() -> None:
     w = World(10)
     first = await w.gate.admit(w.decision(hashes(1, 8), 0), 0)
