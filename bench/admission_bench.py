@@ -6,7 +6,7 @@ lookup per held request weighed). Under a burst larger than the cluster's pools,
 can be held at once; this measures what that costs the router's event loop, which every other request
 shares.
 
-In process, no engine: three endpoints whose pools (``--pool`` blocks) are full of ``--running`` claims
+In process, no engine: ``--engines`` (3) endpoints whose pools (``--pool`` blocks) are full of ``--running`` claims
 each, the router's real block index (native tables) holding every prompt's blocks on its home, and
 ``--held`` requests of distinct 64-block prompts held across the three. For each count of held requests:
 
@@ -45,13 +45,13 @@ from kvstrata.router.scoring import RouteRequest
 
 BLOCK_SIZE = 32
 PROMPT_BLOCKS = 64
-ENGINES = 3
 _FITS_CALLS = 2000
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--held", default="10,100,300,1000", help="held-request counts to measure")
+    p.add_argument("--engines", type=int, default=3, help="engines behind the router")
     p.add_argument("--running", type=int, default=16, help="running requests (claims) per engine")
     p.add_argument("--pool", type=int, default=2048, help="KV blocks per engine")
     p.add_argument("--out", type=Path, default=Path(".bench/admission.json"))
@@ -75,8 +75,8 @@ class _Counted:
         return self.index.lookup(hashes)
 
 
-async def _measure(held: int, running: int, pool: int) -> dict[str, Any]:
-    eps = [Endpoint(EndpointSpec(f"http://engine-{i}"), kv_blocks=pool) for i in range(ENGINES)]
+async def _measure(held: int, engines: int, running: int, pool: int) -> dict[str, Any]:
+    eps = [Endpoint(EndpointSpec(f"http://engine-{i}"), kv_blocks=pool) for i in range(engines)]
     index = BlockIndex(2_000_000)
     lookup = _Counted(index)
     gate = Gate(
@@ -111,12 +111,12 @@ async def _measure(held: int, running: int, pool: int) -> dict[str, Any]:
     # Fill each pool with running requests (the last one takes what the others leave).
     each = (pool - 1) // running
     grants: list[Grant] = []
-    for e in range(ENGINES):
+    for e in range(engines):
         for r in range(running):
             blocks = each if r < running - 1 else pool - 1 - each * (running - 1)
             grants.append(await gate.admit(decision(1_000_000 + e * running + r, e, blocks), 0))
     waiting = [
-        asyncio.ensure_future(gate.admit(decision(n, n % ENGINES, PROMPT_BLOCKS), 0)) for n in range(held)
+        asyncio.ensure_future(gate.admit(decision(n, n % engines, PROMPT_BLOCKS), 0)) for n in range(held)
     ]
     await asyncio.sleep(0.05)  # every one is held now
     assert gate.held() == held, f"{gate.held()} of {held} held"
@@ -163,11 +163,11 @@ async def _measure(held: int, running: int, pool: int) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     counts = [int(x) for x in args.held.split(",") if x.strip()]
-    rows = [asyncio.run(_measure(n, args.running, args.pool)) for n in counts]
+    rows = [asyncio.run(_measure(n, args.engines, args.running, args.pool)) for n in counts]
     return {
         "benchmark": "admission",
         "machine": machine(),
-        "engines": ENGINES,
+        "engines": args.engines,
         "pool_blocks": args.pool,
         "running_per_engine": args.running,
         "prompt_blocks": PROMPT_BLOCKS,

@@ -10,7 +10,7 @@ from bench.admission_bench import render, run
 
 
 def test_a_small_run_holds_what_it_says_and_renders_a_row_per_count() -> None:
-    args = argparse.Namespace(held="3,40", running=2, pool=256)
+    args = argparse.Namespace(held="3,40", engines=3, running=2, pool=256)
     payload = run(args)
     assert [r["held"] for r in payload["rows"]] == [3, 40]
     for row in payload["rows"]:

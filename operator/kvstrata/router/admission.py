@@ -70,12 +70,14 @@ log = logging.getLogger("kvstrata.router.route.admission")
 # took 1.2 s of CPU per idle second, 1,000 saturated the loop).
 _RECHECK_S = 0.5
 
-# How many of each engine's held requests, oldest first, a pass of the gate weighs (one index lookup
-# each). A pass runs on every release, so weighing all of them made each release cost the loop
+# How many held requests a pass of the gate weighs (one index lookup each, and a cost at every engine),
+# shared among the engines holding some: each engine's oldest ``_WEIGHED // engines``, at least
+# ``_WEIGHED_MIN``. A pass runs on every release, so weighing all of them made each release cost the loop
 # milliseconds per hundred held (bench-admission: 76 ms at 1,000). The cheapest of an engine's oldest
-# this-many goes first; one further back waits until it is among them or its hold ends. The family
-# benchmark never held more than about a dozen at one engine, so its decisions are those of weighing all.
-_WEIGHED_PER_ENGINE = 32
+# few goes first; one further back waits until it is among them or its hold ends. The family benchmark
+# never held more than 7 requests at once, so its decisions are those of weighing all.
+_WEIGHED = 96
+_WEIGHED_MIN = 4
 
 
 class Admitted(StrEnum):
@@ -627,7 +629,8 @@ class Gate:
 
     def _weighed(self, held: list[_Waiter], usable: list[Endpoint]) -> list[_Waiter]:
         """The oldest of ``held`` (one engine's), as many as a pass weighs, weighed."""
-        return [self._weigh(w, usable) for w in held[:_WEIGHED_PER_ENGINE]]
+        each = max(_WEIGHED_MIN, _WEIGHED // max(len(self._held_at), 1))
+        return [self._weigh(w, usable) for w in held[:each]]
 
     def _candidates(self, usable: list[Endpoint]) -> list[_Waiter]:
         """Every engine's held requests a pass weighs, weighed."""
@@ -636,8 +639,8 @@ class Gate:
     def pump(self) -> None:
         """Send held requests where there is room: each engine its cheapest waiter (its own first,
         then one that may move there: see :meth:`_may_move`), until nothing more fits. Each engine's
-        oldest ``_WEIGHED_PER_ENGINE`` are weighed, all before any is sent: what is sent changes the
-        rest's costs, and weighing at one moment keeps a pass's choices comparable."""
+        oldest few are weighed (``_WEIGHED``), all before any is sent: what is sent changes the rest's
+        costs, and weighing at one moment keeps a pass's choices comparable."""
         if not self._waiting:
             return
         self._passes += 1

@@ -341,7 +341,8 @@ async def test_many_held_requests_cost_each_pass_and_each_quiet_second_a_bounded
     """Each held request used to look again on its own timer, and every look weighed every held request:
     the loop's work grew with the square of how many were held (make bench-admission). Now one timer
     looks at all of them, and a look weighs each engine's oldest few."""
-    monkeypatch.setattr(admission, "_WEIGHED_PER_ENGINE", 4)
+    monkeypatch.setattr(admission, "_WEIGHED", 8)  # shared by the two engines holding requests
+    monkeypatch.setattr(admission, "_WEIGHED_MIN", 1)
     monkeypatch.setattr(admission, "_RECHECK_S", 0.1)
     w = World(10, 10)
     lookups = 0
@@ -374,7 +375,8 @@ async def test_past_the_weighed_few_held_requests_come_forward_in_arrival_order(
 ) -> None:
     """The cheapest of an engine's oldest few goes first; one further back waits until it is among them,
     and a hold still ends after maxHoldSeconds wherever it is in the line."""
-    monkeypatch.setattr(admission, "_WEIGHED_PER_ENGINE", 2)
+    monkeypatch.setattr(admission, "_WEIGHED", 2)
+    monkeypatch.setattr(admission, "_WEIGHED_MIN", 1)
     w = World(10)
     running = await w.gate.admit(w.decision(hashes(1, 8), 0), 0)
     w.held["http://e0"].update(hashes(5, 8))  # the engine holds the last one's prompt: it costs nothing
@@ -393,7 +395,7 @@ async def test_past_the_weighed_few_held_requests_come_forward_in_arrival_order(
     assert order == [2, 3, 5, 4]
 
     short = World(10, max_hold_s=0.2)
-    monkeypatch.setattr(admission, "_WEIGHED_PER_ENGINE", 1)
+    monkeypatch.setattr(admission, "_WEIGHED", 1)
     await short.gate.admit(short.decision(hashes(1, 8), 0), 0)
     grants = await asyncio.wait_for(
         asyncio.gather(*(short.gate.admit(short.decision(hashes(n, 8), 0), 0) for n in (2, 3, 4))), 2
