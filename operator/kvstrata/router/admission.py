@@ -9,12 +9,14 @@ running request per engine).
 
 So a request whose engine has no room for it is held here instead, and when room frees the engine gets
 the held request that costs it the least prefill now (its cached prefix is still there: serve it before
-something evicts it), oldest first among equals. A held request whose prefix no engine holds better goes
-to whichever engine frees room first (*stolen*), since moving it loses none of its own hit
-(``stealWhenHomeHoldsNoMore``; off, it waits for its own engine while that one is in rotation). With
-``moveWhenHeldPastPrefill`` (off by default) a held request whose prefix its home holds better also
-*moves* to an engine with room once it has waited as long as moving would cost there, at that engine's
-recent pace: its extra prefill, and the prefill of the cached blocks that evicts (rent or buy: built for
+something evicts it), oldest first among equals; of many held, only the oldest few of each engine are
+weighed (``_WEIGHED``), so what holding costs the router stays bounded under a burst. A held request
+whose prefix no engine holds better goes to whichever engine frees room first (*stolen*), since moving
+it loses none of its own hit (``stealWhenHomeHoldsNoMore``; off, it waits for its own engine while that
+one is in rotation). With ``moveWhenHeldPastPrefill`` (off by default) a held request whose prefix its
+home holds better also *moves* to an engine with room once it has waited as long as moving would cost
+there, at that engine's recent pace: its extra prefill, and the prefill of the cached blocks that
+evicts (rent or buy: built for
 family draw 15, where 12 of 32 requests were held 3.4 s in all for their home while a third engine sat
 idle). It is off: on held-out pressure draws it cost 1.7 hit points and 6 % of mean TTFT (3.6 points
 without the eviction term). Nothing is held longer than ``maxHoldSeconds``: then it goes to its engine's
@@ -184,8 +186,8 @@ def distinct_blocks(claims: Sequence[Claim]) -> int:
 class _Pinned:
     """One engine's running claims as :func:`distinct_blocks` sees them, kept as claims come and go: their
     keys in sorted order, every claim's blocks, and what neighbours share. Each change touches only its
-    neighbours (a bisection), where sorting them all again at every admission cost ~0.5 ms with 256
-    running requests on a nearly full pool."""
+    neighbours (a bisection), where sorting them all again at every admission cost ~0.4 ms with 256
+    running requests on a nearly full pool (bench-admission)."""
 
     keys: list[bytes] = field(default_factory=list)
     total: int = 0  # every claim's blocks, a shared prefix counted as often as it is pinned
