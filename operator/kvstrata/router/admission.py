@@ -142,8 +142,12 @@ class _Waiter:
     claim_blocks: int
     since: float
     future: asyncio.Future[Grant]
-    keys: dict[str, float] = field(default_factory=dict)  # cost per endpoint URL, as of pass ``weighed``
+    # As of pass ``weighed``: what the index holds of it, its hashes as bytes, and its cost per endpoint
+    # URL, each cost filled in when the pass first asks (Gate._cost_of).
     weighed: int = -1
+    matches: dict[str, PrefixMatch] = field(default_factory=dict)
+    key: bytes = b""
+    keys: dict[str, float] = field(default_factory=dict)
     move_at: float = math.inf  # monotonic time it may move to some other engine (this pump's estimate)
     follow_up: FollowUp | None = None  # the request it extends ended within the window, keeping no room
 
@@ -180,6 +184,13 @@ def distinct_blocks(claims: Sequence[Claim]) -> int:
     for prev, cur in itertools.pairwise(ordered):
         total += cur.blocks - _common_blocks(prev.key, cur.key)
     return total
+
+
+def _longest_shared(keys: list[bytes], key: bytes) -> int:
+    """The most leading blocks ``key`` shares with one of the sorted ``keys``: the one sharing the
+    longest prefix with ``key`` stands beside where ``key`` would go."""
+    at = bisect.bisect_left(keys, key)
+    return max((_common_blocks(key, keys[i]) for i in (at - 1, at) if 0 <= i < len(keys)), default=0)
 
 
 @dataclass(slots=True)
@@ -227,13 +238,6 @@ class _Pinned:
         """:attr:`distinct` with one more claim of ``blocks`` whose key is ``key``."""
         return self.distinct + blocks - self._shared_at(bisect.bisect_left(self.keys, key), key)
 
-    def longest_shared(self, key: bytes) -> int:
-        """The most leading blocks ``key`` shares with one of the claims. Of sorted keys, the one sharing
-        the longest prefix with ``key`` stands beside where ``key`` would go."""
-        keys = self.keys
-        at = bisect.bisect_left(keys, key)
-        return max((_common_blocks(key, keys[i]) for i in (at - 1, at) if 0 <= i < len(keys)), default=0)
-
 
 @dataclass(slots=True)
 class GateDeps:
@@ -268,6 +272,10 @@ class Gate:
         self._held_at: dict[Endpoint, list[_Waiter]] = {}  # the same, by home
         self._recheck: asyncio.TimerHandle | None = None
         self._passes = 0  # pump passes so far: a waiter's costs are weighed once per pass
+        # During a pass: the URLs in rotation, and the running claims' keys as the pass began of the
+        # engines whose claims it has changed (a cost asked late in a pass is the cost at its start).
+        self._usable: set[str] = set()
+        self._frozen: dict[str, list[bytes]] | None = None
         self._followups = FollowUps(
             settings.anticipate_seconds, only_evicted=settings.anticipate_only_evicted
         )
@@ -354,12 +362,20 @@ class Gate:
             asyncio.get_running_loop().call_later(window, self.pump)
 
     def _pin(self, c: Claim) -> None:
+        self._freeze(c.endpoint.url)
         self._pinned.setdefault(c.endpoint.url, _Pinned()).add(c.key, c.blocks)
         self._pinned_kept.setdefault(c.endpoint.url, _Pinned()).add(c.key, c.blocks)
 
     def _unpin(self, c: Claim) -> None:
+        self._freeze(c.endpoint.url)
         self._pinned[c.endpoint.url].remove(c.key, c.blocks)
         self._pinned_kept[c.endpoint.url].remove(c.key, c.blocks)
+
+    def _freeze(self, url: str) -> None:
+        """In a pass, keep ``url``'s running claims as the pass began before they change."""
+        if self._frozen is not None and url not in self._frozen:
+            pinned = self._pinned.get(url)
+            self._frozen[url] = [] if pinned is None else list(pinned.keys)
 
     def _close(self, r: _Reservation) -> None:
         """A kept room is taken or expired: it no longer counts."""
@@ -568,19 +584,32 @@ class Gate:
         return uncached_tokens(d.prompt_tokens, len(d.hashes), max(held, running), self.deps.block_size)
 
     def _running(self, ep: Endpoint, key: bytes) -> int:
-        """The most leading blocks ``key`` shares with a request of ours running on ``ep`` (two
-        comparisons, not one per running request: a GPU engine runs hundreds)."""
-        pinned = self._pinned.get(ep.url)
-        return 0 if pinned is None else pinned.longest_shared(key)
+        """The most leading blocks ``key`` shares with a request of ours running on ``ep`` (as the pass
+        began, in a pass; two comparisons, not one per running request: a GPU engine runs hundreds)."""
+        keys = None if self._frozen is None else self._frozen.get(ep.url)
+        if keys is None:
+            pinned = self._pinned.get(ep.url)
+            keys = [] if pinned is None else pinned.keys
+        return _longest_shared(keys, key)
+
+    def _cost_of(self, w: _Waiter, ep: Endpoint) -> float:
+        """``w``'s prefill cost at ``ep`` as of this pass's start (infinite out of rotation). Filled in
+        when first asked: a pass under a burst asks each weighed request about one or two engines, not
+        every engine (32 engines: bench-admission)."""
+        cost = w.keys.get(ep.url)
+        if cost is None:
+            if ep.url not in self._usable:
+                return math.inf
+            cost = w.keys[ep.url] = self._cost(w, ep, w.matches, w.key)
+        return cost
 
     def _may_move(self, w: _Waiter, ep: Endpoint, usable: list[Endpoint], now: float) -> Admitted | None:
         """Whether held ``w`` may leave its home for ``ep`` now, and how: STOLEN when it loses nothing
         there (or its home cannot serve it), MOVED when it has waited as long as moving would cost
         (:meth:`_move_at`)."""
-        here = w.keys.get(ep.url, math.inf)
-        home = w.keys.get(w.home.url, math.inf)
         if w.home not in usable or self.deps.silent(w.home):
             return Admitted.STOLEN
+        here, home = self._cost_of(w, ep), self._cost_of(w, w.home)
         if self.settings.steal_when_home_holds_no_more and here <= home + self.deps.block_size:
             return Admitted.STOLEN
         return Admitted.MOVED if now >= self._move_at(w, ep, here - home) else None
@@ -605,7 +634,7 @@ class Gate:
         factor = self.settings.overdue_after_prefills
         if factor <= 0:
             return False
-        prefill_s = w.home.pace.seconds_for(w.keys.get(w.home.url, math.inf))
+        prefill_s = w.home.pace.seconds_for(self._cost_of(w, w.home))
         return prefill_s is not None and now - w.since >= factor * prefill_s
 
     def _next_of_own(self, ep: Endpoint, mine: list[_Waiter], now: float) -> tuple[_Waiter, Admitted]:
@@ -613,20 +642,23 @@ class Gate:
         else the cheapest (oldest among equals)."""
         if overdue := [w for w in mine if self._overdue(w, now)]:
             return min(overdue, key=lambda w: w.since), Admitted.OVERDUE
-        return min(mine, key=lambda w: (w.keys.get(ep.url, math.inf), w.since)), Admitted.QUEUED
+        return min(mine, key=lambda w: (self._cost_of(w, ep), w.since)), Admitted.QUEUED
 
     def _weigh(self, w: _Waiter, usable: list[Endpoint]) -> _Waiter:
-        """``w``'s cost at each usable engine now, and when it may move (once per pass)."""
+        """What the index holds of ``w`` now (once per pass; its costs follow from it, when asked), and
+        when it may move."""
         if w.weighed != self._passes:
             w.weighed = self._passes
-            matches = self.deps.lookup(w.decision.hashes)
-            key = Claim(w.home, w.decision.hashes, 0).key
-            w.keys = {ep.url: self._cost(w, ep, matches, key) for ep in usable}
-            home = w.keys.get(w.home.url, math.inf)
-            w.move_at = min(
-                (self._move_at(w, ep, w.keys[ep.url] - home) for ep in usable if ep is not w.home),
-                default=math.inf,
-            )
+            w.matches = self.deps.lookup(w.decision.hashes)
+            w.key = Claim(w.home, w.decision.hashes, 0).key
+            w.keys = {}
+            w.move_at = math.inf
+            if self.settings.move_when_held_past_prefill:
+                home = self._cost_of(w, w.home)
+                w.move_at = min(
+                    (self._move_at(w, ep, self._cost_of(w, ep) - home) for ep in usable if ep is not w.home),
+                    default=math.inf,
+                )
         return w
 
     def _weighed(self, held: list[_Waiter], usable: list[Endpoint]) -> list[_Waiter]:
@@ -647,6 +679,15 @@ class Gate:
             return
         self._passes += 1
         usable = [ep for ep in self.deps.endpoints() if self.deps.usable(ep)]
+        self._usable = {ep.url for ep in usable}
+        self._frozen = {}
+        try:
+            self._send(usable)
+        finally:
+            self._frozen = None
+
+    def _send(self, usable: list[Endpoint]) -> None:
+        """One pass's sending (see :meth:`pump`)."""
         self._candidates(usable)
         now = time.monotonic()
         progress = True
@@ -668,7 +709,7 @@ class Gate:
                     (w, how) for w in self._candidates(usable) if (how := self._may_move(w, ep, usable, now))
                 ]
                 if movable:
-                    best, how = min(movable, key=lambda m: (m[0].keys.get(ep.url, math.inf), m[0].since))
+                    best, how = min(movable, key=lambda m: (self._cost_of(m[0], ep), m[0].since))
                     if self.fits(ep, best.claim_blocks, best.decision.hashes):
                         self._grant(best, ep, how)
                         progress = True

@@ -403,6 +403,87 @@ async def test_past_the_weighed_few_held_requests_come_forward_in_arrival_order(
     assert [g.how for g in grants] == [Admitted.EXPIRED] * 3
 
 
+class _EveryCostGate(Gate):
+    """The gate as it was: every weighed request costed at every engine in rotation when first weighed."""
+
+    def _weigh(self, w: admission._Waiter, usable: list[Endpoint]) -> admission._Waiter:
+        fresh = w.weighed != self._passes
+        super()._weigh(w, usable)
+        if fresh:
+            for ep in usable:
+                self._cost_of(w, ep)
+        return w
+
+
+async def test_costs_asked_late_in_a_pass_are_the_costs_at_its_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pass costs a held request at an engine only when it asks, and what it sends meanwhile must not
+    change the answer: against a gate that costs every request everywhere first, through random holds,
+    releases, steals and index changes on three small pools, the same requests go to the same engines,
+    the same way, in the same order."""
+    monkeypatch.setattr(admission, "_RECHECK_S", 1000.0)  # no timer between the two worlds' steps
+    rng = random.Random(11)
+    worlds = [World(16, 16, 16), World(16, 16, 16)]
+    worlds[1].gate = _EveryCostGate(worlds[1].gate.settings, 30.0, worlds[1].gate.deps)
+    granted: list[list[tuple[int, str, str]]] = [[], []]
+    running: list[dict[int, Claim | None]] = [{}, {}]
+
+    def admit(i: int, n: int, hs: array[int], home: int) -> None:
+        w = worlds[i]
+        task = asyncio.ensure_future(w.gate.admit(w.decision(hs, home), 0))
+
+        def done(t: asyncio.Future[Grant]) -> None:
+            granted[i].append((n, t.result().endpoint.url, t.result().how.value))
+            running[i][n] = t.result().claim
+
+        task.add_done_callback(done)
+
+    for n in range(300):
+        roll = rng.random()
+        if roll < 0.45:
+            group, size, home = rng.randrange(5), rng.randrange(3, 10), rng.randrange(3)
+            hs = array("Q", [*hashes(group, size - 2), n * 7919 + 1, n * 7919 + 2])
+            for i in (0, 1):
+                admit(i, n, hs, home)
+        elif roll < 0.8 and running[0]:
+            done = rng.choice(sorted(running[0]))
+            for i in (0, 1):
+                worlds[i].gate.release(running[i].pop(done))
+        else:
+            url, group, stored = f"http://e{rng.randrange(3)}", rng.randrange(5), rng.random() < 0.5
+            for w in worlds:  # the engine stores or evicts a group's blocks
+                if stored:
+                    w.held[url].update(hashes(group, 8))
+                else:
+                    w.held[url].difference_update(hashes(group, 8))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert granted[0] == granted[1]
+    assert {how for _, _, how in granted[0]} >= {"direct", "queued", "stolen"}
+    for w in worlds:
+        for waiter in list(w.gate._waiting):
+            waiter.future.cancel()
+
+
+async def test_a_request_sent_in_a_pass_does_not_change_what_the_pass_weighs_after_it() -> None:
+    """A's grant on e1 starts computing blocks that B shares. Weighed at the start of the pass, B would
+    lose a steal to e1 (its home holds more of it); costed later in the same pass it must still be
+    weighed as at the start, or the pass would steal it on a cost the gate that weighs everything first
+    never saw."""
+    w = World(30, 20)
+    w.gate.claim(w.eps[0], w.decision(hashes(9, 29), 0), 0)  # e0 full for good
+    busy = w.gate.claim(w.eps[1], w.decision(hashes(8, 19), 1), 0)
+    w.held["http://e0"].update(hashes(1, 4))  # e0 holds B's first 4 blocks
+    a = asyncio.ensure_future(w.gate.admit(w.decision(hashes(1, 8), 1), 0))
+    b = asyncio.ensure_future(w.gate.admit(w.decision(hashes(1, 10), 0), 0))
+    await asyncio.sleep(0.01)
+    assert w.gate.held() == 2
+    w.gate.release(busy)  # e1 has room for A and for B beside it
+    await asyncio.sleep(0.01)
+    assert a.done() and a.result().endpoint is w.eps[1]
+    assert not b.done() and w.moved == []
+    b.cancel()
+
+
 async def test_a_client_that_leaves_while_held_is_forgotten() -> None:
     w = World(10)
     running = await w.gate.admit(w.decision(hashes(1, 8), 0), 0)
