@@ -72,7 +72,7 @@ log = logging.getLogger("kvstrata.router.route.admission")
 # took 1.2 s of CPU per idle second, 1,000 saturated the loop).
 _RECHECK_S = 0.5
 
-# How many held requests a pass of the gate weighs (one index lookup each, and a cost at every engine),
+# How many held requests a pass of the gate weighs (one index lookup each, and a cost where it asks),
 # shared among the engines holding some: each engine's oldest ``_WEIGHED // engines``, at least
 # ``_WEIGHED_MIN``. A pass runs on every release, so weighing all of them made each release cost the loop
 # milliseconds per hundred held (bench-admission: 76 ms at 1,000). The cheapest of an engine's oldest
