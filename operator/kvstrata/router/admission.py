@@ -16,14 +16,13 @@ it loses none of its own hit (``stealWhenHomeHoldsNoMore``; off, it waits for it
 one is in rotation). With ``moveWhenHeldPastPrefill`` (off by default) a held request whose prefix its
 home holds better also *moves* to an engine with room once it has waited as long as moving would cost
 there, at that engine's recent pace: its extra prefill, and the prefill of the cached blocks that
-evicts (rent or buy: built for
-family draw 15, where 12 of 32 requests were held 3.4 s in all for their home while a third engine sat
-idle). It is off: on held-out pressure draws it cost 1.7 hit points and 6 % of mean TTFT (3.6 points
-without the eviction term). Nothing is held longer than ``maxHoldSeconds``: then it goes to its engine's
-own queue, as it would have without the gate. Cheapest-first alone starves a long cold prompt while
-cheaper follow-ups keep coming; with ``overdueAfterPrefills`` (off by default: on held-out pressure
-draws it cost hit rate and TTFT) a request that has waited that many times its own prefill there goes
-before cheaper ones, oldest first (*overdue*).
+evicts (rent or buy: built for family draw 15, where 12 of 32 requests were held 3.4 s in all for their
+home while a third engine sat idle). It is off: on held-out pressure draws it cost 1.7 hit points and
+6 % of mean TTFT (3.6 points without the eviction term). Nothing is held longer than ``maxHoldSeconds``:
+then it goes to its engine's own queue, as it would have without the gate. Cheapest-first alone
+starves a long cold prompt while cheaper follow-ups keep coming; with ``overdueAfterPrefills`` (off by
+default: on held-out pressure draws it cost hit rate and TTFT) a request that has waited that many times
+its own prefill there goes before cheaper ones, oldest first (*overdue*).
 
 With ``anticipateSeconds`` (router/followups.py) a request that ends keeps its blocks' room on its engine
 for that long when its prefix group's requests are usually followed at once (agents, closed loops): a
@@ -673,8 +672,9 @@ class Gate:
     def pump(self) -> None:
         """Send held requests where there is room: each engine its cheapest waiter (its own first,
         then one that may move there: see :meth:`_may_move`), until nothing more fits. Each engine's
-        oldest few are weighed (``_WEIGHED``), all before any is sent: what is sent changes the rest's
-        costs, and weighing at one moment keeps a pass's choices comparable."""
+        oldest few are weighed (``_WEIGHED``) as the pass begins. What is sent changes the rest's costs,
+        so a cost asked later in the pass is the cost at its start (``_frozen``): a pass's choices are
+        those of costing every weighed request everywhere first."""
         if not self._waiting:
             return
         self._passes += 1
