@@ -108,11 +108,14 @@ class Claim:
 
     @property
     def key(self) -> bytes:
-        """The block hashes as bytes: prompts that share k leading blocks share 8k leading bytes."""
         if self._key is None:
-            h = self.hashes
-            self._key = (h if isinstance(h, array) else array("Q", h)).tobytes()
+            self._key = _key(self.hashes)
         return self._key
+
+
+def _key(hashes: Sequence[int]) -> bytes:
+    """Block hashes as bytes: prompts that share k leading blocks share 8k leading bytes."""
+    return (hashes if isinstance(hashes, array) else array("Q", hashes)).tobytes()
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,8 +270,7 @@ class Gate:
         # The same claims per endpoint URL as sorted tries: alone, and with the rooms kept for follow-ups.
         self._pinned: dict[str, _Pinned] = {}
         self._pinned_kept: dict[str, _Pinned] = {}
-        self._waiting: list[_Waiter] = []  # in arrival order
-        self._held_at: dict[Endpoint, list[_Waiter]] = {}  # the same, by home
+        self._held_at: dict[Endpoint, list[_Waiter]] = {}  # held requests by home, in arrival order
         self._recheck: asyncio.TimerHandle | None = None
         self._passes = 0  # pump passes so far: a waiter's costs are weighed once per pass
         # During a pass: the URLs in rotation, and the running claims' keys as the pass began of the
@@ -315,10 +317,11 @@ class Gate:
                     self._unpin(c)
                     c.hashes, c.blocks, c._key = decision.hashes, n, None
                     self._pin(c)
-        for w in self._waiting:
-            if w.decision is decision and (n := self.blocks(decision, w.output)) is not None:
-                w.claim_blocks = n
-        if self._waiting:
+        for held in self._held_at.values():
+            for w in held:
+                if w.decision is decision and (n := self.blocks(decision, w.output)) is not None:
+                    w.claim_blocks = n
+        if self._held_at:
             self.pump()
 
     def release(self, claim: Claim | None, *, ended: bool = False) -> None:
@@ -332,7 +335,7 @@ class Gate:
             self._unpin(claim)
             if ended and self.settings.anticipate_seconds > 0:
                 self._anticipate(claim)
-        if self._waiting:
+        if self._held_at:
             self.pump()
 
     def _anticipate(self, claim: Claim) -> None:
@@ -421,7 +424,7 @@ class Gate:
         return distinct_blocks([r.claim for r in self._reserved.get(ep.url, ()) if r.open])
 
     def held(self) -> int:
-        return len(self._waiting)
+        return sum(map(len, self._held_at.values()))
 
     def fits(self, ep: Endpoint, blocks: int, hashes: Sequence[int] = (), *, kept: bool = True) -> bool:
         """Room for ``blocks`` more on ``ep``: always when nothing of ours runs there (nor is kept for a
@@ -437,7 +440,7 @@ class Gate:
         pool = ep.kv_blocks - 1  # vLLM keeps one block of its pool as the null block
         if pinned.total + blocks <= pool:
             return True  # the cheap bound: shared prefixes counted as often as they are pinned
-        return pinned.distinct_with(Claim(ep, hashes, blocks).key, blocks) <= pool
+        return pinned.distinct_with(_key(hashes), blocks) <= pool
 
     # --- admission -------------------------------------------------------------------------------
     async def admit(self, decision: Decision, output_tokens: int | None) -> Grant:
@@ -463,7 +466,7 @@ class Gate:
             if kept_at is home and self.fits(home, blocks, decision.hashes, kept=False):
                 log.debug("reserved prefix=%016x blocks=%d -> %s", decision.hashes[0], blocks, home.url)
                 return Grant(home, Admitted.RESERVED, 0.0, self.claim(home, decision, out), out)
-            if kept_at is not None and self._waiting:
+            if kept_at is not None and self._held_at:
                 self.pump()  # routed elsewhere: the room kept for it is free
         if not self._waiting_for(home) and self.fits(home, blocks, decision.hashes):
             self._found(unkept, decision.matches)
@@ -472,7 +475,6 @@ class Gate:
         waiter = _Waiter(
             decision, home, out, blocks, time.monotonic(), loop.create_future(), follow_up=unkept
         )
-        self._waiting.append(waiter)
         self._held_at.setdefault(home, []).append(waiter)
         self.deps.commit(decision, home)
         log.debug(
@@ -482,7 +484,7 @@ class Gate:
             home.url,
             self.in_flight_blocks(home),
             home.kv_blocks,
-            len(self._waiting),
+            self.held(),
         )
         self.pump()
         self._recheck_later()
@@ -503,7 +505,7 @@ class Gate:
             return waiter.future.result()
         except asyncio.CancelledError:
             # The client left while held, or just after its grant: give back what was granted.
-            if waiter in self._waiting:
+            if waiter in self._held_at.get(waiter.home, ()):
                 self._unhold(waiter)
             elif waiter.future.done() and not waiter.future.cancelled():
                 self.release(waiter.future.result().claim)
@@ -534,7 +536,6 @@ class Gate:
         return ep in self._held_at
 
     def _unhold(self, waiter: _Waiter) -> None:
-        self._waiting.remove(waiter)
         mine = self._held_at[waiter.home]
         mine.remove(waiter)
         if not mine:
@@ -542,7 +543,7 @@ class Gate:
 
     def _recheck_later(self) -> None:
         """One look at every held request in ``_RECHECK_S``, and again after it while any is held."""
-        if self._recheck is None and self._waiting:
+        if self._recheck is None and self._held_at:
             self._recheck = asyncio.get_running_loop().call_later(_RECHECK_S, self._rechecked)
 
     def _rechecked(self) -> None:
@@ -649,7 +650,7 @@ class Gate:
         if w.weighed != self._passes:
             w.weighed = self._passes
             w.matches = self.deps.lookup(w.decision.hashes)
-            w.key = Claim(w.home, w.decision.hashes, 0).key
+            w.key = _key(w.decision.hashes)
             w.keys = {}
             w.move_at = math.inf
             if self.settings.move_when_held_past_prefill:
@@ -675,7 +676,7 @@ class Gate:
         oldest few are weighed (``_WEIGHED``) as the pass begins. What is sent changes the rest's costs,
         so a cost asked later in the pass is the cost at its start (``_frozen``): a pass's choices are
         those of costing every weighed request everywhere first."""
-        if not self._waiting:
+        if not self._held_at:
             return
         self._passes += 1
         usable = [ep for ep in self.deps.endpoints() if self.deps.usable(ep)]
@@ -691,7 +692,7 @@ class Gate:
         self._candidates(usable)
         now = time.monotonic()
         progress = True
-        while progress and self._waiting:
+        while progress and self._held_at:
             progress = False
             for ep in usable:
                 mine = self._weighed(self._held_at.get(ep, []), usable)

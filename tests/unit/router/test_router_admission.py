@@ -460,7 +460,7 @@ async def test_costs_asked_late_in_a_pass_are_the_costs_at_its_start(monkeypatch
         assert granted[0] == granted[1]
     assert {how for _, _, how in granted[0]} >= {"direct", "queued", "stolen"}
     for w in worlds:
-        for waiter in list(w.gate._waiting):
+        for waiter in [x for held in w.gate._held_at.values() for x in held]:
             waiter.future.cancel()
 
 
