@@ -266,9 +266,10 @@ class Router:
 
     def _counted(self, text: str, got: Encoded) -> tuple[int, array[int]]:
         """``got``'s tokens and hashes, its characters counted as reused or tokenized."""
+        m = self.metrics
         if got.reused_chars:
-            self.metrics.prompt_chars.labels("reused").inc(got.reused_chars)
-        self.metrics.prompt_chars.labels("tokenized").inc(len(text) - got.reused_chars)
+            m.child(m.prompt_chars, "reused").inc(got.reused_chars)
+        m.child(m.prompt_chars, "tokenized").inc(len(text) - got.reused_chars)
         return got.tokens, got.hashes
 
     async def _text_hashes(self, text: str, chat: bool) -> Hashed:

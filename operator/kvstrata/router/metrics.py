@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 from kvstrata.router.outcomes import FailureKind, Outcome
 from kvstrata.router.pool import Endpoint
 from kvstrata.router.reasons import AFFINITY_REASONS
+
+_M = TypeVar("_M", bound=MetricWrapperBase)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -163,10 +167,15 @@ class RouterMetrics:
         self.held = Gauge(f"{p}_held", "Requests held now for KV room on their engine", registry=r)
         self._affinity = 0
         self._decided = 0
-        self._decision_children: dict[str, Counter] = {}
         # labels() takes a lock and builds a tuple each call; the hot path reuses the children.
-        self._request_children: dict[tuple[str, Outcome], Counter] = {}
-        self._latency_children: dict[str, Histogram] = {}
+        self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], MetricWrapperBase] = {}
+
+    def child(self, metric: _M, *labels: str) -> _M:
+        """``metric.labels(*labels)``, made once."""
+        got = self._children.get((metric, labels))
+        if got is None:
+            got = self._children[(metric, labels)] = metric.labels(*labels)
+        return got  # type: ignore[return-value]  # made by metric.labels: the metric's own type
 
     def track_endpoint(self, ep: Endpoint, ejected: Callable[[], float]) -> None:
         self.in_flight.labels(ep.url).set_function(lambda: ep.in_flight)
@@ -182,30 +191,19 @@ class RouterMetrics:
         self.ejections.labels(ep.url, kind.value).inc()
 
     def request_done(self, endpoint: str, outcome: Outcome, seconds: float | None) -> None:
-        child = self._request_children.get((endpoint, outcome))
-        if child is None:
-            child = self._request_children[(endpoint, outcome)] = self.requests.labels(
-                endpoint, outcome.value
-            )
-        child.inc()
+        self.child(self.requests, endpoint, outcome.value).inc()
         if seconds is not None:
-            hist = self._latency_children.get(endpoint)
-            if hist is None:
-                hist = self._latency_children[endpoint] = self.upstream_latency.labels(endpoint)
-            hist.observe(seconds)
+            self.child(self.upstream_latency, endpoint).observe(seconds)
 
     def decided(self, reason: str) -> None:
-        child = self._decision_children.get(reason)
-        if child is None:
-            child = self._decision_children[reason] = self.decisions.labels(reason)
-        child.inc()
+        self.child(self.decisions, reason).inc()
         self._decided += 1
         if reason in AFFINITY_REASONS:
             self._affinity += 1
         self.affinity_share.set(self._affinity / self._decided)
 
     def admitted(self, how: str, held_s: float) -> None:
-        self.admissions.labels(how).inc()
+        self.child(self.admissions, how).inc()
         if held_s > 0:
             self.hold_seconds.observe(held_s)
 

@@ -60,10 +60,11 @@ class Endpoint:
     streamed_at: float = 0.0  # monotonic time it last sent a request's bytes (a stream chunk, a body)
     pace: PrefillPace = field(default_factory=PrefillPace)
     extra: dict[str, object] = field(default_factory=dict)
+    # The spec's URL, the endpoint's identity: a field, since a request reads it some 40 times.
+    url: str = field(init=False)
 
-    @property
-    def url(self) -> str:
-        return self.spec.url
+    def __post_init__(self) -> None:
+        self.url = self.spec.url
 
     @property
     def load(self) -> float:

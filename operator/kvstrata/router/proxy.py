@@ -453,7 +453,7 @@ class Proxy:
             return Failed(kind, f"{ep.url} ended the stream before its first byte"), Outcome.of(kind)
         decision = call.decision
         self._prefill_over(prefill, decision, ep, time.perf_counter() - t0)  # the first token is out
-        self.metrics.ttft.labels(ep.url).observe(time.perf_counter() - t0)
+        self.metrics.child(self.metrics.ttft, ep.url).observe(time.perf_counter() - t0)
         out = web.StreamResponse(status=resp.status, headers=_response_headers(resp))
         out.headers.update(self._decision_headers(call, ep, t0))
         if decision.hashes:
