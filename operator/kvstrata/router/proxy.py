@@ -36,7 +36,6 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -58,12 +57,12 @@ from kvstrata.router.patience import last_try_patience
 from kvstrata.router.pool import Endpoint, PrefillTicket
 from kvstrata.router.reasons import Reason
 from kvstrata.router.requests import BadRequest, Kind, parse_request
+from kvstrata.router.upstream import ConnectFailed, ConnectTimedOut, Disconnected, Response, Upstream
 
 log = logging.getLogger("kvstrata.router.proxy")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 ROUTER_KEY: web.AppKey[Router] = web.AppKey("router", Router)
-SESSION_KEY: web.AppKey[aiohttp.ClientSession] = web.AppKey("session", aiohttp.ClientSession)
 
 _HOP_BY_HOP = frozenset(
     {
@@ -81,7 +80,7 @@ _HOP_BY_HOP = frozenset(
 )
 # The router reads response bodies (usage, SSE), so it asks engines for none it would have to decode.
 _REQ_DROP = _HOP_BY_HOP | {"accept-encoding"}
-# The upstream session does not decompress, so content-encoding travels with the untouched body.
+# The upstream client does not decompress, so content-encoding travels with the untouched body.
 _RESP_DROP = _HOP_BY_HOP | {"date", "server"}
 _RETRYABLE_STATUS = 500
 # Between rounds over the engines once every one was tried: Envoy's retry back-off (25 ms base), doubled
@@ -102,8 +101,8 @@ def _request_headers(request: web.Request, decoded: bool) -> dict[str, str]:
     return out
 
 
-def _response_headers(resp: aiohttp.ClientResponse) -> dict[str, str]:
-    return {k: v for k, v in resp.headers.items() if k.lower() not in _RESP_DROP}
+def _response_headers(resp: Response) -> list[tuple[str, str]]:
+    return [(k, v) for k, v in resp.headers if k.lower() not in _RESP_DROP]
 
 
 def _cached_tokens(body: bytes) -> int | None:
@@ -139,14 +138,12 @@ class _Call:
 
 
 class Proxy:
-    def __init__(self, router: Router, session: aiohttp.ClientSession) -> None:
+    def __init__(self, router: Router, upstream: Upstream) -> None:
         self.router = router
-        self.session = session
+        # Its connect timeout is connectTimeoutSeconds; the other deadlines are ours (asyncio.timeout),
+        # per phase; see the module doc.
+        self.upstream = upstream
         s = self.settings = router.settings
-        # Deadlines other than connect are ours (asyncio.timeout), per phase; see the module doc.
-        self.timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=s.connect_timeout_seconds, sock_read=None
-        )
         self.metrics = router.metrics
         self.outlier = router.outlier
         self.block_size = s.block_size
@@ -358,7 +355,7 @@ class Proxy:
         deadline: float | None = s.upstream_timeout_seconds
         if stream:  # a patient try's deadline is set by last_try_patience
             deadline = None if patient else s.first_byte_timeout_seconds
-        resp: aiohttp.ClientResponse | None = None
+        resp: Response | None = None
         try:
             try:
                 async with asyncio.timeout(deadline) as limit:
@@ -368,24 +365,20 @@ class Proxy:
                         if patient
                         else nullcontext(),
                     ):
-                        resp = await self.session.request(
-                            call.request.method,
-                            ep.url + call.path,
-                            data=call.raw or None,
-                            headers=call.headers,
-                            timeout=self.timeout,
+                        resp = await self.upstream.request(
+                            ep.url, call.request.method, call.path, call.headers, call.raw
                         )
                         if resp.status >= _RETRYABLE_STATUS and not is_last:
                             kind = FailureKind.UPSTREAM_5XX
                             return Failed(kind, f"{ep.url} answered {resp.status}"), Outcome.of(kind)
                         if stream and resp.status == 200:
-                            first = await resp.content.readany()
+                            first = await resp.readany()
                         else:
                             body = await self._read_bounded(resp)
                         ep.streamed_at = time.monotonic()
-            except aiohttp.ConnectionTimeoutError as exc:
+            except ConnectTimedOut as exc:
                 return self._failed(FailureKind.CONNECT_TIMEOUT, ep, exc)
-            except aiohttp.ClientConnectorError as exc:
+            except ConnectFailed as exc:
                 self.router.mark_down(ep)
                 return self._failed(FailureKind.CONNECT_ERROR, ep, exc)
             except TimeoutError as exc:
@@ -396,7 +389,7 @@ class Proxy:
                 # The whole budget is spent: no time left to retry.
                 msg = f"{ep.url} did not answer within {deadline:g}s"
                 return Answered(json_error(504, msg, code="upstream_timeout")), Outcome.RESPONSE_TIMEOUT
-            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+            except Disconnected as exc:
                 return self._failed(FailureKind.DISCONNECTED, ep, exc)
             except _TooLarge:
                 msg = f"{ep.url} answered more than maxResponseBytes ({s.max_response_bytes}) bytes"
@@ -419,7 +412,7 @@ class Proxy:
     def _failed(self, kind: FailureKind, ep: Endpoint, exc: BaseException) -> tuple[AttemptResult, Outcome]:
         return Failed(kind, f"{ep.url}: {exc!r}"), Outcome.of(kind)
 
-    async def _read_bounded(self, resp: aiohttp.ClientResponse) -> bytes:
+    async def _read_bounded(self, resp: Response) -> bytes:
         limit = self.settings.max_response_bytes
         if resp.content_length is not None:
             if resp.content_length > limit:
@@ -427,7 +420,7 @@ class Proxy:
             return await resp.read()
         parts: list[bytes] = []
         size = 0
-        while chunk := await resp.content.readany():
+        while chunk := await resp.readany():
             size += len(chunk)
             if size > limit:
                 raise _TooLarge
@@ -437,7 +430,7 @@ class Proxy:
     async def _stream(
         self,
         call: _Call,
-        resp: aiohttp.ClientResponse,
+        resp: Response,
         first: bytes,
         ep: Endpoint,
         t0: float,
@@ -471,11 +464,11 @@ class Proxy:
                 return Answered(out), Outcome.CLIENT_DISCONNECT
             try:
                 async with asyncio.timeout(idle):
-                    chunk = await resp.content.readany()
+                    chunk = await resp.readany()
                 ep.streamed_at = time.monotonic()
             except TimeoutError:
                 return await self._abort(out, ep, f"no data for {idle:g}s", Outcome.STREAM_IDLE_TIMEOUT)
-            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+            except Disconnected as exc:
                 return await self._abort(out, ep, repr(exc), Outcome.STREAM_ABORTED)
         try:
             await out.write_eof()
@@ -603,12 +596,11 @@ async def _admin_only(request: web.Request) -> web.Response:
     return json_error(404, "/kvstrata/state is served on the router's admin port", code="admin_only")
 
 
-def build_app(router: Router, session: aiohttp.ClientSession) -> web.Application:
+def build_app(router: Router, upstream: Upstream) -> web.Application:
     """The public app; with ``adminPort`` set, /kvstrata/state lives only on :func:`build_admin_app`."""
-    proxy = Proxy(router, session)
+    proxy = Proxy(router, upstream)
     app = web.Application(client_max_size=router.settings.max_body_bytes, middlewares=[openai_errors])
     app[ROUTER_KEY] = router
-    app[SESSION_KEY] = session
     app.router.add_post("/v1/completions", proxy.completions)
     app.router.add_post("/v1/chat/completions", proxy.chat)
     app.router.add_get("/health", proxy.health)
@@ -622,8 +614,8 @@ def build_app(router: Router, session: aiohttp.ClientSession) -> web.Application
     return app
 
 
-def build_admin_app(router: Router, session: aiohttp.ClientSession) -> web.Application:
-    proxy = Proxy(router, session)
+def build_admin_app(router: Router, upstream: Upstream) -> web.Application:
+    proxy = Proxy(router, upstream)
     app = web.Application(middlewares=[openai_errors])
     app.router.add_get("/health", proxy.health)
     app.router.add_get("/ready", proxy.ready)

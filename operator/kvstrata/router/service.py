@@ -36,6 +36,7 @@ from kvstrata.router.prompts import LocalTokenizer
 from kvstrata.router.proxy import build_admin_app, build_app
 from kvstrata.router.storage_evictions import StorageEvictions
 from kvstrata.router.subscriber import KvEventSubscriber
+from kvstrata.router.upstream import Upstream
 from kvstrata.router.workpool import tokenize_on_calling_threads
 
 log = logging.getLogger("kvstrata.router")
@@ -54,7 +55,8 @@ class RouterService:
         self._scrape = scrape
         self.subscribers: dict[str, KvEventSubscriber] = {}
         self._zmq: zmq.asyncio.Context | None = None
-        self.session: aiohttp.ClientSession | None = None
+        self.session: aiohttp.ClientSession | None = None  # everything off the request path
+        self.upstream: Upstream | None = None  # the request path (router/upstream.py)
         self.router: Router | None = None
         self.scraper: LoadScraper | None = None
         self.storage: StorageEvictions | None = None
@@ -126,7 +128,11 @@ class RouterService:
                 await asyncio.wait_for(self.scraper.scrape_all(), timeout=3)
             self.scraper.start()
         await self._wait_index_synced(s.index_sync_timeout_seconds)
-        self.app = build_app(self.router, self.session)
+        # Connections as many as the session's (maxUpstreamConnections), kept idle as long (60 s).
+        self.upstream = Upstream(
+            connect_timeout=s.connect_timeout_seconds, limit=s.max_upstream_connections, keepalive_seconds=60
+        )
+        self.app = build_app(self.router, self.upstream)
 
     async def _wait_index_synced(self, timeout: float) -> None:
         """Serve only once the index holds what the engines already cached: routing on a half-replayed
@@ -190,9 +196,9 @@ class RouterService:
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port, backlog=4096)
         await site.start()
-        if s.admin_port is not None and self.router is not None and self.session is not None:
+        if s.admin_port is not None and self.router is not None and self.upstream is not None:
             self._admin_runner = web.AppRunner(
-                build_admin_app(self.router, self.session),
+                build_admin_app(self.router, self.upstream),
                 access_log=None,
                 keepalive_timeout=s.header_read_timeout_seconds,
             )
@@ -216,6 +222,8 @@ class RouterService:
             await asyncio.gather(*self._stopping, return_exceptions=True)
         if self.router is not None:
             self.router.close()
+        if self.upstream is not None:
+            await self.upstream.close()
         if self.session is not None:
             await self.session.close()
         if self._zmq is not None:
