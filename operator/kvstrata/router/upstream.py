@@ -34,9 +34,8 @@ from urllib.parse import urlsplit
 import httptools
 
 # A response body buffered past this waits in the kernel (the connection stops reading) until the
-# caller reads some: a slow client of a fast engine does not grow the router's memory.
+# caller reads it: a slow client of a fast engine does not grow the router's memory.
 _PAUSE_BYTES = 1 << 20
-_RESUME_BYTES = 1 << 18
 
 
 class UpstreamError(Exception):
@@ -63,17 +62,25 @@ class Origin:
 
     @property
     def host_header(self) -> str:
-        default = 443 if self.tls else 80
-        return self.host if self.port == default else f"{self.host}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 literal
+        return host if self.port == (443 if self.tls else 80) else f"{host}:{self.port}"
 
 
-def origin_of(base_url: str) -> Origin:
-    """The host, port and scheme of an engine's base URL (``http://10.0.0.7:8000``)."""
-    parts = urlsplit(base_url)
+@dataclass(frozen=True, slots=True)
+class Base:
+    """An engine's base URL: where to connect, and the path its requests' paths go under."""
+
+    origin: Origin
+    prefix: str
+
+
+def base_of(url: str) -> Base:
+    """``http://10.0.0.7:8000`` or ``https://gateway.example/engine-a`` as a :class:`Base`."""
+    parts = urlsplit(url)
     tls = parts.scheme == "https"
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"not an http(s) URL: {base_url!r}")
-    return Origin(parts.hostname, parts.port or (443 if tls else 80), tls)
+        raise ValueError(f"not an http(s) URL: {url!r}")
+    return Base(Origin(parts.hostname, parts.port or (443 if tls else 80), tls), parts.path.rstrip("/"))
 
 
 class Response:
@@ -198,6 +205,9 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._pool.lost(self)
+        response = self._response
+        if exc is None and response is not None and not self._complete and _ends_at_close(response):
+            self.on_message_complete()  # a body without a length ends when the connection does
         if not self._complete:
             why = f"connection lost: {exc!r}" if exc else "connection closed by the engine"
             self._broken(Disconnected(why))
@@ -285,7 +295,7 @@ class Upstream:
         self.keepalive_seconds = keepalive_seconds
         self._slots = asyncio.Semaphore(limit) if limit > 0 else None
         self._idle: dict[Origin, list[_Connection]] = {}
-        self._origins: dict[str, Origin] = {}
+        self._bases: dict[str, Base] = {}
         self._tls: ssl.SSLContext | None = None
         self._closed = False
 
@@ -294,10 +304,11 @@ class Upstream:
     ) -> Response:
         """Send a request to the engine at ``base_url`` and return its response once the status and
         headers are in. The caller reads the body and then calls :meth:`Response.release`."""
-        origin = self._origins.get(base_url)
-        if origin is None:
-            origin = self._origins[base_url] = origin_of(base_url)
-        head = _request_head(method, path, origin, headers, len(body))
+        base = self._bases.get(base_url)
+        if base is None:
+            base = self._bases[base_url] = base_of(base_url)
+        origin = base.origin
+        head = _request_head(method, base.prefix + path, origin, headers, len(body))
         no_body = method == "HEAD"
         if self._slots is not None:
             await self._slots.acquire()
@@ -376,6 +387,14 @@ class Upstream:
             for conn in idle:
                 conn.close()
         self._idle.clear()
+
+
+def _ends_at_close(response: Response) -> bool:
+    """Whether ``response``'s body has neither a length nor chunks: it ends when the connection closes."""
+    if response.content_length is not None:
+        return False
+    coding = response.header("transfer-encoding")
+    return coding is None or "chunked" not in coding.lower()
 
 
 def _request_head(method: str, path: str, origin: Origin, headers: Mapping[str, str], length: int) -> bytes:

@@ -13,7 +13,7 @@ import pytest
 import uvloop
 from aiohttp import web
 
-from kvstrata.router.upstream import ConnectFailed, Disconnected, Upstream, origin_of
+from kvstrata.router.upstream import ConnectFailed, Disconnected, Upstream, base_of
 
 
 @dataclass
@@ -188,6 +188,31 @@ async def test_a_connection_closed_as_the_request_arrives_is_retried_once_on_a_n
         await srv.wait_closed()
 
 
+async def test_a_body_without_a_length_ends_with_its_connection_and_a_base_path_prefixes_requests() -> None:
+    lines: list[bytes] = []
+
+    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        lines.append((await reader.readuntil(b"\r\n\r\n")).split(b"\r\n")[0])
+        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nhello, ")
+        await writer.drain()
+        writer.write(b"until the end")
+        writer.close()
+
+    srv = await asyncio.start_server(engine, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}/engine-a/"
+    up = Upstream(connect_timeout=2)
+    try:
+        resp = await up.request(url, "GET", "/v1/models", {}, b"")
+        assert (resp.status, await resp.read()) == (200, b"hello, until the end")
+        resp.release()
+        assert lines == [b"GET /engine-a/v1/models HTTP/1.1"]
+        assert up.idle() == 0  # Connection: close
+    finally:
+        await up.close()
+        srv.close()
+        await srv.wait_closed()
+
+
 async def test_duplicate_headers_and_a_4_mib_body_arrive_intact(
     server: Callable[..., Awaitable[Server]],
 ) -> None:
@@ -267,8 +292,14 @@ async def test_no_more_connections_in_use_than_the_limit(server: Callable[..., A
         await up.close()
 
 
-def test_origins() -> None:
-    assert origin_of("http://10.0.0.7:8000").host_header == "10.0.0.7:8000"
-    assert origin_of("https://engine.ns.svc").port == 443
+def test_base_urls() -> None:
+    assert base_of("http://10.0.0.7:8000").origin.host_header == "10.0.0.7:8000"
+    assert base_of("http://[fd00::7]:8000/").origin.host_header == "[fd00::7]:8000"
+    gateway = base_of("https://gateway.example/engine-a/")
+    assert (gateway.origin.port, gateway.origin.host_header, gateway.prefix) == (
+        443,
+        "gateway.example",
+        "/engine-a",
+    )
     with pytest.raises(ValueError, match="not an http"):
-        origin_of("tcp://10.0.0.7:5557")
+        base_of("tcp://10.0.0.7:5557")
