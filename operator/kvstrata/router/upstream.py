@@ -218,7 +218,7 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         status = self._parser.get_status_code()
-        if 100 <= status < 200:  # an interim response (we send no Expect): the real one follows
+        if 100 <= status < 200:  # interim (a client's Expect: 100-continue is passed on): the answer follows
             self._headers = []
             return
         self._response = Response(self, status, self._headers)

@@ -237,6 +237,24 @@ async def test_duplicate_headers_and_a_4_mib_body_arrive_intact(
         await up.close()
 
 
+async def test_an_interim_100_continue_is_skipped_for_the_real_answer(
+    server: Callable[..., Awaitable[Server]],
+) -> None:
+    """curl asks with ``Expect: 100-continue`` for bodies over 1 KiB and the proxy passes the header on:
+    the engine answers 100 first, then the response."""
+    srv = await server()
+    up = Upstream(connect_timeout=2)
+    try:
+        body = b"x" * 5_000
+        resp = await up.request(srv.url, "POST", "/plain", {"Expect": "100-continue"}, body)
+        assert (resp.status, await resp.read()) == (200, b"echo:" + body)
+        resp.release()
+        assert (await _post(up, srv.url, b"next"))[1] == b"echo:next"
+        assert len(set(srv.peers)) == 1
+    finally:
+        await up.close()
+
+
 async def test_failures_are_told_apart_and_a_broken_body_is_not_reused(
     server: Callable[..., Awaitable[Server]],
 ) -> None:
