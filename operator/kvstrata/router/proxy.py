@@ -414,8 +414,9 @@ class Proxy:
 
     async def _read_bounded(self, resp: Response) -> bytes:
         limit = self.settings.max_response_bytes
-        if resp.content_length is not None:
-            if resp.content_length > limit:
+        length = resp.content_length  # a scan of the headers
+        if length is not None:
+            if length > limit:
                 raise _TooLarge
             return await resp.read()
         parts: list[bytes] = []

@@ -259,10 +259,7 @@ class _Connection(asyncio.Protocol):
 
     def finished(self, whole: bool) -> None:
         """The caller is done with the response: reuse the connection if it can be."""
-        head, self._head = self._head, None
-        if head is not None and not head.done():
-            head.cancel()
-        self._response = None
+        self._head = self._response = None
         # After a HEAD the parser would read the next response as this one's body: not reused.
         if whole and not self.closed and not self._no_body and self._keep_alive:
             self.resume()

@@ -5,6 +5,7 @@ connection limit, and the same under uvloop (the router's loop)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -95,6 +96,26 @@ async def server() -> AsyncIterator[Callable[..., Awaitable[Server]]]:
         await srv.runner.cleanup()
 
 
+@pytest.fixture(name="up")
+async def _upstream() -> AsyncIterator[Upstream]:
+    client = Upstream(connect_timeout=2)
+    yield client
+    await client.close()
+
+
+@contextlib.asynccontextmanager
+async def _raw_engine(
+    engine: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+) -> AsyncIterator[str]:
+    """An engine written byte by byte (asyncio streams): its base URL."""
+    srv = await asyncio.start_server(engine, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+    finally:
+        srv.close()
+        await srv.wait_closed()
+
+
 async def _post(up: Upstream, url: str, body: bytes) -> tuple[int, bytes, list[tuple[str, str]]]:
     resp = await up.request(url, "POST", "/plain", {"Content-Type": "text/plain"}, body)
     try:
@@ -122,7 +143,7 @@ async def _sequential_requests_share_one_connection(server: Server) -> None:
 
 
 async def test_sequential_requests_share_one_connection_and_streams_arrive_in_order(
-    server: Callable[..., Awaitable[Server]],
+    server: Callable[..., Awaitable[Server]], up: Upstream
 ) -> None:
     await _sequential_requests_share_one_connection(await server())
 
@@ -142,20 +163,16 @@ def test_the_same_under_uvloop() -> None:
 
 
 async def test_a_connection_the_engine_closed_while_idle_is_replaced_and_the_request_sent_once(
-    server: Callable[..., Awaitable[Server]],
+    server: Callable[..., Awaitable[Server]], up: Upstream
 ) -> None:
     srv = await server(keepalive=0.05)
-    up = Upstream(connect_timeout=2)
-    try:
-        assert (await _post(up, srv.url, b"one"))[1] == b"echo:one"
-        await asyncio.sleep(0.3)  # the server closes the idle connection
-        assert (await _post(up, srv.url, b"two"))[1] == b"echo:two"
-        assert len(srv.peers) == 2 and len(set(srv.peers)) == 2  # sent once, on a new connection
-    finally:
-        await up.close()
+    assert (await _post(up, srv.url, b"one"))[1] == b"echo:one"
+    await asyncio.sleep(0.3)  # the server closes the idle connection
+    assert (await _post(up, srv.url, b"two"))[1] == b"echo:two"
+    assert len(srv.peers) == 2 and len(set(srv.peers)) == 2  # sent once, on a new connection
 
 
-async def test_a_connection_closed_as_the_request_arrives_is_retried_once_on_a_new_one() -> None:
+async def test_a_connection_closed_as_the_request_arrives_is_retried_once_on_a_new_one(up: Upstream) -> None:
     """The engine closes a kept-alive connection just as the next request is written on it (its idle
     timer fired): the client finds out only then, with no byte of an answer. The engine never read
     that request, so it goes once more on a new connection."""
@@ -173,22 +190,17 @@ async def test_a_connection_closed_as_the_request_arrives_is_retried_once_on_a_n
             await writer.drain()
         writer.close()
 
-    srv = await asyncio.start_server(engine, "127.0.0.1", 0)
-    url = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
-    up = Upstream(connect_timeout=2)
-    try:
+    async with _raw_engine(engine) as url:
         for _ in range(2):
             resp = await up.request(url, "POST", "/", {}, b"hi")
             assert (resp.status, await resp.read()) == (200, b"ok")
             resp.release()
         assert answered == [1, 1]  # the second request: not answered on the first connection, then once
-    finally:
-        await up.close()
-        srv.close()
-        await srv.wait_closed()
 
 
-async def test_a_body_without_a_length_ends_with_its_connection_and_a_base_path_prefixes_requests() -> None:
+async def test_a_body_without_a_length_ends_with_its_connection_and_a_base_path_prefixes_requests(
+    up: Upstream,
+) -> None:
     lines: list[bytes] = []
 
     async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -198,98 +210,77 @@ async def test_a_body_without_a_length_ends_with_its_connection_and_a_base_path_
         writer.write(b"until the end")
         writer.close()
 
-    srv = await asyncio.start_server(engine, "127.0.0.1", 0)
-    url = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}/engine-a/"
-    up = Upstream(connect_timeout=2)
-    try:
-        resp = await up.request(url, "GET", "/v1/models", {}, b"")
+    async with _raw_engine(engine) as url:
+        resp = await up.request(url + "/engine-a/", "GET", "/v1/models", {}, b"")
         assert (resp.status, await resp.read()) == (200, b"hello, until the end")
         resp.release()
         assert lines == [b"GET /engine-a/v1/models HTTP/1.1"]
         assert up.idle() == 0  # Connection: close
-    finally:
-        await up.close()
-        srv.close()
-        await srv.wait_closed()
 
 
 async def test_duplicate_headers_and_a_4_mib_body_arrive_intact(
-    server: Callable[..., Awaitable[Server]],
+    server: Callable[..., Awaitable[Server]], up: Upstream
 ) -> None:
     srv = await server()
-    up = Upstream(connect_timeout=2)
-    try:
-        payload = bytes(range(256)) * 16_384
-        status, body, headers = await _post(up, srv.url, payload)
-        assert status == 200 and body == b"echo:" + payload
-        assert [v for k, v in headers if k.lower() == "set-cookie"] == ["a=1", "b=2"]
-        resp = await up.request(srv.url, "GET", "/big", {}, b"")
-        assert resp.content_length == len(payload)
-        got = await resp.read()
-        resp.release()
-        assert got == payload
-        # A HEAD response has no body (its Content-Length notwithstanding); the next request is whole.
-        resp = await up.request(srv.url, "HEAD", "/plain", {}, b"")
-        assert (resp.status, await resp.read()) == (200, b"")
-        resp.release()
-        assert (await _post(up, srv.url, b"after"))[1] == b"echo:after"
-    finally:
-        await up.close()
+    payload = bytes(range(256)) * 16_384
+    status, body, headers = await _post(up, srv.url, payload)
+    assert status == 200 and body == b"echo:" + payload
+    assert [v for k, v in headers if k.lower() == "set-cookie"] == ["a=1", "b=2"]
+    resp = await up.request(srv.url, "GET", "/big", {}, b"")
+    assert resp.content_length == len(payload)
+    got = await resp.read()
+    resp.release()
+    assert got == payload
+    # A HEAD response has no body (its Content-Length notwithstanding); the next request is whole.
+    resp = await up.request(srv.url, "HEAD", "/plain", {}, b"")
+    assert (resp.status, await resp.read()) == (200, b"")
+    resp.release()
+    assert (await _post(up, srv.url, b"after"))[1] == b"echo:after"
 
 
 async def test_an_interim_100_continue_is_skipped_for_the_real_answer(
-    server: Callable[..., Awaitable[Server]],
+    server: Callable[..., Awaitable[Server]], up: Upstream
 ) -> None:
     """curl asks with ``Expect: 100-continue`` for bodies over 1 KiB and the proxy passes the header on:
     the engine answers 100 first, then the response."""
     srv = await server()
-    up = Upstream(connect_timeout=2)
-    try:
-        body = b"x" * 5_000
-        resp = await up.request(srv.url, "POST", "/plain", {"Expect": "100-continue"}, body)
-        assert (resp.status, await resp.read()) == (200, b"echo:" + body)
-        resp.release()
-        assert (await _post(up, srv.url, b"next"))[1] == b"echo:next"
-        assert len(set(srv.peers)) == 1
-    finally:
-        await up.close()
+    body = b"x" * 5_000
+    resp = await up.request(srv.url, "POST", "/plain", {"Expect": "100-continue"}, body)
+    assert (resp.status, await resp.read()) == (200, b"echo:" + body)
+    resp.release()
+    assert (await _post(up, srv.url, b"next"))[1] == b"echo:next"
+    assert len(set(srv.peers)) == 1
 
 
 async def test_failures_are_told_apart_and_a_broken_body_is_not_reused(
-    server: Callable[..., Awaitable[Server]],
+    server: Callable[..., Awaitable[Server]], up: Upstream
 ) -> None:
     srv = await server()
-    up = Upstream(connect_timeout=2)
-    try:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            closed = f"http://127.0.0.1:{s.getsockname()[1]}"  # bound, not listening: refused
-        with pytest.raises(ConnectFailed):
-            await up.request(closed, "GET", "/", {}, b"")
-        resp = await up.request(srv.url, "GET", "/die", {}, b"")
-        with pytest.raises(Disconnected):
-            await resp.read()
-        resp.release()
-        # A response abandoned half read closes its connection: the next one does not read its rest.
-        resp = await up.request(srv.url, "GET", "/big", {}, b"")
-        await resp.readany()
-        resp.release()
-        assert (await _post(up, srv.url, b"clean"))[1] == b"echo:clean"
-    finally:
-        await up.close()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"  # bound, not listening: refused
+    with pytest.raises(ConnectFailed):
+        await up.request(closed, "GET", "/", {}, b"")
+    resp = await up.request(srv.url, "GET", "/die", {}, b"")
+    with pytest.raises(Disconnected):
+        await resp.read()
+    resp.release()
+    # A response abandoned half read closes its connection: the next one does not read its rest.
+    resp = await up.request(srv.url, "GET", "/big", {}, b"")
+    await resp.readany()
+    resp.release()
+    assert (await _post(up, srv.url, b"clean"))[1] == b"echo:clean"
 
 
-async def test_a_cancelled_request_closes_its_connection(server: Callable[..., Awaitable[Server]]) -> None:
+async def test_a_cancelled_request_closes_its_connection(
+    server: Callable[..., Awaitable[Server]], up: Upstream
+) -> None:
     srv = await server()
-    up = Upstream(connect_timeout=2)
-    try:
-        with pytest.raises(TimeoutError):
-            async with asyncio.timeout(0.01):
-                await up.request(srv.url, "GET", "/slow", {}, b"")
-        assert (await _post(up, srv.url, b"next"))[1] == b"echo:next"
-        assert up.idle() == 1  # the cancelled one's connection was closed, not kept
-    finally:
-        await up.close()
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.01):
+            await up.request(srv.url, "GET", "/slow", {}, b"")
+    assert (await _post(up, srv.url, b"next"))[1] == b"echo:next"
+    assert up.idle() == 1  # the cancelled one's connection was closed, not kept
 
 
 async def test_no_more_connections_in_use_than_the_limit(server: Callable[..., Awaitable[Server]]) -> None:
