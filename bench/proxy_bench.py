@@ -76,7 +76,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _request_body(stream: bool, unique: bool = False) -> str:
+def request_body(stream: bool, unique: bool = False) -> str:
     """The POST body; with `unique`, the prompt ends in a per-request counter (filled in by wrk)."""
     prompt = PROMPT + (f" Ticket {UNIQUE}." if unique else "")
     return json.dumps({"model": nginx_backend.MODEL, "prompt": prompt, "max_tokens": 16, "stream": stream})
@@ -84,7 +84,7 @@ def _request_body(stream: bool, unique: bool = False) -> str:
 
 def _check_once(url: str, stream: bool) -> str | None:
     """One request before load: returns a problem description, or None if the answer is intact."""
-    status, body = http_post(url + "/v1/completions", _request_body(stream).encode(), timeout=10)
+    status, body = http_post(url + "/v1/completions", request_body(stream).encode(), timeout=10)
     if status != 200:
         return f"HTTP {status}: {body[:200]!r}"
     if stream:
@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for mode in modes:
             stream = mode == "sse"
             script = write_script(
-                args.workdir / f"wrk-{mode}.lua", _request_body(stream, args.unique_prompts)
+                args.workdir / f"wrk-{mode}.lua", request_body(stream, args.unique_prompts)
             )
             urls = backend.sse_urls if stream else backend.json_urls
             targets: list[tuple[str, str | None]] = [("direct (nginx)", None), *[(r, r) for r in routers]]

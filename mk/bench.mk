@@ -1,6 +1,6 @@
 # Benchmarks: kvstrata's router vs vllm-router and sglang-router. Figures are printed and written to
 # .bench/*.json; they never fail a build. See docs/benchmarks.md.
-.PHONY: bench-router bench-router-fixed bench-router-tiers bench-tier-credit bench-proxy bench-router-overhead bench-admission bench-deps bench-tools bench-lint
+.PHONY: bench-router bench-router-fixed bench-router-tiers bench-tier-credit bench-proxy bench-router-overhead bench-admission bench-decision bench-relay-floor bench-deps bench-tools bench-lint
 
 BENCH_DIR ?= .bench
 
@@ -58,6 +58,17 @@ bench-router-overhead: venv bench-deps bench-tools
 # index, no engine; no peer holds requests). Writes .bench/admission.json.
 bench-admission: venv
 	$(PY) -m bench.admission_bench --out $(BENCH_DIR)/admission.json $(BENCH_ARGS)
+
+# What the router's decision and bookkeeping cost per request without HTTP (in process, bench-proxy's
+# prompts, no engine; no peer can be driven this way). Writes .bench/decision.json.
+bench-decision: venv
+	$(PY) -m bench.decision_bench --out $(BENCH_DIR)/decision.json $(BENCH_ARGS)
+
+# The least a Python relay that decides nothing costs per request under bench-proxy's load (aiohttp's
+# application and low-level server, a bare httptools protocol; the router's upstream client). Writes
+# .bench/relay-floor.json.
+bench-relay-floor: venv bench-tools
+	$(PY) -m bench.relay_floor --out $(BENCH_DIR)/relay-floor.json $(BENCH_ARGS)
 
 bench-lint: venv
 	$(VENV)/bin/ruff check bench

@@ -1,0 +1,189 @@
+"""`make bench-relay-floor`: the least a Python relay costs per request, beside which to read bench-proxy.
+
+Three relays that decide nothing forward bench-proxy's json requests to the same nginx backend through
+the router's own upstream client (`router/upstream.py`), under bench-proxy's wrk load (64 connections,
+one thread), on uvloop with the router's collector settings:
+
+- **aiohttp-app**: an aiohttp ``web.Application`` with one route, as the router serves (no middleware);
+- **aiohttp-server**: aiohttp's low-level ``web.Server`` (no application, router or middleware);
+- **httptools**: a bare asyncio protocol around httptools' request parser, writing the response in one
+  piece: nearly nothing between the sockets and the upstream client.
+
+CPU µs per request of the relay's process is the figure, as bench-proxy's; what separates kvstrata's
+round-robin from aiohttp-app is the proxy's own work (parsing, admission, failover, headers, metrics).
+No peer column: these are floors for Python, not routers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+from typing import Any, cast
+
+from bench import nginx_backend
+from bench.procs import ProcGroup, bench_main, free_port, http_get, wait_until
+from bench.proxy_bench import request_body
+from bench.report import fmt, group_cpu_seconds, machine, table
+from bench.wrk import run_wrk, write_script
+
+KINDS = ("aiohttp-app", "aiohttp-server", "httptools")
+_HEADERS = {"content-type": "application/json"}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kinds", default=",".join(KINDS), help="relays to measure")
+    p.add_argument("--connections", type=int, default=64)
+    p.add_argument("--duration", type=float, default=10.0, help="seconds measured per relay")
+    p.add_argument("--warmup", type=float, default=2.0)
+    p.add_argument("--workdir", type=Path, default=Path(".bench/relay-floor"))
+    p.add_argument("--out", type=Path, default=Path(".bench/relay-floor.json"))
+    # Internal: serve one relay (the benchmark starts itself with these).
+    p.add_argument("--serve", choices=KINDS, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--upstream", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+async def _serve(kind: str, port: int, upstream_url: str) -> None:
+    from aiohttp import web
+
+    from kvstrata.router.upstream import Upstream
+
+    up = Upstream(connect_timeout=5.0, limit=256)
+
+    async def relay(body: bytes) -> tuple[int, bytes]:
+        resp = await up.request(upstream_url, "POST", "/v1/completions", _HEADERS, body)
+        try:
+            return resp.status, await resp.read()
+        finally:
+            resp.release()
+
+    async def handle(request: web.BaseRequest) -> web.Response:
+        status, data = await relay(await request.read())
+        return web.Response(status=status, body=data, headers=_HEADERS)
+
+    loop = asyncio.get_running_loop()
+    if kind == "aiohttp-app":
+        app = web.Application()
+        app.router.add_post("/v1/completions", handle)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port, backlog=4096).start()
+    elif kind == "aiohttp-server":
+        await loop.create_server(web.Server(handle, access_log=None), "127.0.0.1", port, backlog=4096)
+    else:
+        await loop.create_server(lambda: _Bare(relay), "127.0.0.1", port, backlog=4096)
+    await asyncio.Event().wait()
+
+
+class _Bare(asyncio.Protocol):
+    """HTTP/1.1 requests in, one response each, kept alive; enough for wrk's POSTs and nothing more."""
+
+    def __init__(self, relay: Any) -> None:
+        import httptools
+
+        self._relay = relay
+        self._parser = httptools.HttpRequestParser(self)
+        self._body: list[bytes] = []
+        self._transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses, only alike.
+        self._transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        self._parser.feed_data(data)
+
+    def on_message_begin(self) -> None:
+        self._body = []
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        body, keep = b"".join(self._body), self._parser.should_keep_alive()
+        asyncio.get_running_loop().create_task(self._answer(body, keep))
+
+    async def _answer(self, body: bytes, keep: bool) -> None:
+        status, data = await self._relay(body)
+        t = self._transport
+        if t is None or t.is_closing():
+            return
+        head = b"HTTP/1.1 %d OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % (
+            status,
+            len(data),
+        )
+        t.write(head + data)
+        if not keep:
+            t.close()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    script = write_script(args.workdir / "wrk-json.lua", request_body(stream=False, unique=True))
+    rows: list[dict[str, Any]] = []
+    with ProcGroup(args.workdir / "logs") as procs:
+        backend = nginx_backend.start_backend(procs, args.workdir, 1)
+        for kind in kinds:
+            port = free_port()
+            argv = [sys.executable, "-m", "bench.relay_floor", "--serve", kind, "--port", str(port)]
+            proc = procs.start(kind, [*argv, "--upstream", backend.json_urls[0]])
+            url = f"http://127.0.0.1:{port}"
+            try:
+                # Any answer means it listens (GET is not routed: 404/405).
+                wait_until(kind, lambda u=url: http_get(u + "/")[0] > 0, 20, [proc])
+                run_wrk(url + "/v1/completions", script, args.connections, args.warmup)
+                cpu0, t0 = group_cpu_seconds(proc.popen.pid), time.monotonic()
+                res = run_wrk(url + "/v1/completions", script, args.connections, args.duration)
+                cpu = group_cpu_seconds(proc.popen.pid) - cpu0
+                ok = res.requests - res.non_2xx
+                rows.append(
+                    {
+                        "relay": kind,
+                        "rps": round(res.rps),
+                        "p50_ms": res.p50_ms,
+                        "errors": res.errors,
+                        "cores": round(cpu / (time.monotonic() - t0), 2),
+                        "cpu_us_per_request": round(cpu / ok * 1e6, 1) if ok else None,
+                    }
+                )
+            finally:
+                procs.stop(proc)
+    return {
+        "benchmark": "relay-floor",
+        "machine": machine(),
+        "settings": {"connections": args.connections, "duration_s": args.duration},
+        "rows": rows,
+    }
+
+
+def render(payload: dict[str, Any]) -> str:
+    s = payload["settings"]
+    head = f"relays that decide nothing, bench-proxy's json load ({s['connections']} connections, {s['duration_s']:g} s)"
+    rows = [
+        [r["relay"], fmt(r["rps"], 0), fmt(r["p50_ms"], 2), str(r["errors"]), fmt(r["cpu_us_per_request"], 1)]
+        for r in payload["rows"]
+    ]
+    return head + "\n" + table(["relay", "req/s", "p50 ms", "errors", "cpu us/req"], rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.serve:
+        import uvloop
+
+        from kvstrata.router.main import collect_rarely
+
+        collect_rarely()
+        uvloop.run(_serve(args.serve, args.port, args.upstream))
+        return 0
+    return bench_main("bench-relay-floor", lambda: run(args), render, args.out)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
