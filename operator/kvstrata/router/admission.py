@@ -163,6 +163,8 @@ def _common_blocks(a: bytes, b: bytes) -> int:
     "block i is the same" holds for a leading run only: a binary search on single blocks finds its end."""
     if a[:8] != b[:8]:  # most pairs are different prompts': not even the first block in common
         return 0
+    if a == b:  # the same full blocks (prompts that differ only in their last, partial block)
+        return len(a) // 8
     lo, hi = 0, min(len(a), len(b)) // 8
     while lo < hi:
         mid = (lo + hi + 1) // 2

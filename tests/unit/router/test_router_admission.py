@@ -81,6 +81,10 @@ def test_shared_prefixes_count_once() -> None:
     assert distinct_blocks([a]) == 11
     assert distinct_blocks([a, b, c]) == 11 + 9 - 6 + 5
     assert distinct_blocks([c, b, a]) == distinct_blocks([a, b, c])
+    # The same full blocks (prompts that differ only in a partial last block): one more block, its own.
+    d = Claim(ep, hashes(1, 10), 11)
+    assert distinct_blocks([a, d]) == 12
+    assert distinct_blocks([a, b, c, d]) == 11 + 9 - 6 + 5 + 1
 
 
 def test_the_pinned_blocks_are_kept_as_requests_and_kept_rooms_come_and_go(
