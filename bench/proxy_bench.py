@@ -169,9 +169,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         backend = nginx_backend.start_backend(procs, args.workdir, args.workers)
         for mode in modes:
             stream = mode == "sse"
-            script = write_script(
-                args.workdir / f"wrk-{mode}.lua", request_body(stream, args.unique_prompts)
-            )
+            script = write_script(args.workdir / f"wrk-{mode}.lua", request_body(stream, args.unique_prompts))
             urls = backend.sse_urls if stream else backend.json_urls
             targets: list[tuple[str, str | None]] = [("direct (nginx)", None), *[(r, r) for r in routers]]
             for label, router in targets:
