@@ -350,7 +350,11 @@ class Gate:
         # none, so where every request is one (an agent's loop) only this keeps the list from growing.
         self._expire(claim.endpoint.url, now)
         r = _Reservation(claim, now + window)
-        bisect.insort(self._reserved.setdefault(claim.endpoint.url, []), r, key=_expiry)
+        rs = self._reserved.setdefault(claim.endpoint.url, [])
+        if rs and rs[-1].until > r.until:  # not expected: every room is kept equally long from now
+            bisect.insort(rs, r, key=_expiry)
+        else:
+            rs.append(r)
         self._reserved_for.setdefault(claim.hashes[-1], []).append(r)
         self._pinned_kept.setdefault(claim.endpoint.url, _Pinned()).add(claim.key, claim.blocks)
         log.debug(
@@ -395,7 +399,11 @@ class Gate:
         rs = self._reserved.get(url)
         if not rs or rs[0].until > now:
             return
-        ended = bisect.bisect_right(rs, now, key=_expiry)
+        # From the front, not by bisection: a call finds the few that ended since the last one, and a
+        # bisection over the thousands kept in a busy second would call the key a dozen times.
+        ended = 1
+        while ended < len(rs) and rs[ended].until <= now:
+            ended += 1
         for r in rs[:ended]:
             if r.open:
                 self._close(r)
