@@ -11,7 +11,8 @@ number), ``--in-flight`` at once: each is parsed, decided, admitted by the gate 
 engine; the oldest in flight then ends (its claim released as answered, its prediction settled). The
 figures are µs per request: process CPU over the whole loop, and wall time per phase.
 
-The router's own collector settings (`router/main.py: collect_rarely`) apply, as in the router. No peer
+The router's own collector settings (`router/main.py: collect_rarely`) apply, and the tokenizer encodes on
+the calling thread (`router/workpool.py`), as in the router. No peer
 column: no peer router can be driven this way, so the figures compare code versions, not routers.
 """
 
@@ -24,11 +25,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import nginx_backend
 from bench.procs import bench_main
 from bench.proxy_bench import request_body
 from bench.report import fmt, machine, table
 from bench.wrk import UNIQUE
 from kvstrata.api.router_config import RouterSettings
+from kvstrata.router.admission import Claim
 from kvstrata.router.core import Router
 from kvstrata.router.decision import Decision
 from kvstrata.router.metrics import RouterMetrics
@@ -58,11 +61,11 @@ def _body(n: int) -> bytes:
 
 async def _measure(policy: str, args: argparse.Namespace, tokenizer: Path) -> dict[str, Any]:
     settings = RouterSettings.model_validate(
-        {"model": "tiny", "blockSize": 32, "policy": policy, "tokenizer": str(tokenizer)}
+        {"model": nginx_backend.MODEL, "blockSize": 32, "policy": policy, "tokenizer": str(tokenizer)}
     )
     router = Router(settings, RouterMetrics())
     router.pool.replace([EndpointSpec(f"http://engine-{i}:8000") for i in range(args.engines)])
-    in_flight: collections.deque[tuple[Decision, Endpoint, Any]] = collections.deque()
+    in_flight: collections.deque[tuple[Decision, Endpoint, Claim | None]] = collections.deque()
     spent = dict.fromkeys(PHASES, 0.0)
     hashed = 0
 
@@ -148,9 +151,11 @@ def render(payload: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from kvstrata.router.main import collect_rarely
+    from kvstrata.router.workpool import tokenize_on_calling_threads
 
     args = parse_args(argv)
     collect_rarely()  # as the router runs
+    tokenize_on_calling_threads()
     return bench_main("bench-decision", lambda: run(args), render, args.out)
 
 
