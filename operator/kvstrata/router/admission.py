@@ -154,10 +154,6 @@ class _Waiter:
     follow_up: FollowUp | None = None  # the request it extends ended within the window, keeping no room
 
 
-def _expiry(r: _Reservation) -> float:
-    return r.until
-
-
 def _common_blocks(a: bytes, b: bytes) -> int:
     """Leading blocks two claims share. Block hashes are chained (each covers its whole prefix), so
     "block i is the same" holds for a leading run only: a binary search on single blocks finds its end."""
@@ -350,11 +346,9 @@ class Gate:
         # none, so where every request is one (an agent's loop) only this keeps the list from growing.
         self._expire(claim.endpoint.url, now)
         r = _Reservation(claim, now + window)
-        rs = self._reserved.setdefault(claim.endpoint.url, [])
-        if rs and rs[-1].until > r.until:  # not expected: every room is kept equally long from now
-            bisect.insort(rs, r, key=_expiry)
-        else:
-            rs.append(r)
+        # Every room is kept equally long from now (the window is a setting, the clock monotonic), so the
+        # newest ends last: appending keeps the list in order of expiry.
+        self._reserved.setdefault(claim.endpoint.url, []).append(r)
         self._reserved_for.setdefault(claim.hashes[-1], []).append(r)
         self._pinned_kept.setdefault(claim.endpoint.url, _Pinned()).add(claim.key, claim.blocks)
         log.debug(
