@@ -1,3 +1,4 @@
+from array import array
 from collections.abc import Iterable, Sequence
 
 GPU: int
@@ -27,3 +28,40 @@ class Recency:
     def trim(self, limit: int) -> None: ...
 
 def block_digests(tokens: Sequence[int], block_size: int, parent: bytes, algo: str) -> list[bytes]: ...
+
+class Walk:
+    """The cached chunks a prompt starts with (router/incremental.py's ``Walk``, native)."""
+
+    @property
+    def pos(self) -> int: ...
+    @property
+    def tokens(self) -> int: ...
+    @property
+    def hashes(self) -> array[int]: ...
+
+class Encoder:
+    """router/incremental.py's ``IncrementalEncoder``, native (router/incremental_native.py wraps it)."""
+
+    def __init__(
+        self,
+        tokenizer_json: str,
+        *,
+        add_special_tokens: bool,
+        block_size: int,
+        algo: str,
+        none_hash: bytes,
+        prefix: Sequence[int],
+        suffix: Sequence[int],
+        added: Sequence[str],
+        enabled: bool,
+        chunk_chars: int,
+        first_chunk_chars: int,
+        max_cached_chars: int,
+    ) -> None: ...
+    def walk(self, text: str, blocking: bool = True) -> Walk | None: ...
+    def finish(self, text: str, walked: Walk) -> tuple[int, array[int], int]: ...
+    def probe(self, text: str, walked: Walk, chars: int) -> tuple[array[int], int, int] | None: ...
+    def encode(self, text: str) -> tuple[int, array[int], int]: ...
+    def full_ids(self, text: str) -> list[int]: ...
+    def chunked_ids(self, text: str, step: int | None = None) -> list[int]: ...
+    def stats(self) -> tuple[int, int, int]: ...

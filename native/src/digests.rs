@@ -116,34 +116,64 @@ pub fn block_digests<'py>(
     parent: &[u8],
     algo: &str,
 ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
-    let cbor = match algo {
-        "sha256" => false,
-        "sha256_cbor" => true,
-        _ => return Err(PyValueError::new_err(format!("unsupported hash algorithm {algo:?}"))),
-    };
-    let mut prev: [u8; 32] = parent
+    let cbor = is_cbor(algo)?;
+    let prev: [u8; 32] = parent
         .try_into()
         .map_err(|_| PyValueError::new_err("parent must be a 32-byte digest"))?;
-    if block_size == 0 || (!cbor && 16 + 9 * block_size >= PICKLE_FRAME_TARGET) {
-        return Err(PyValueError::new_err(format!("unsupported block size {block_size}")));
-    }
+    check_block_size(block_size, cbor)?;
     // Copied out while the GIL is held (an ``array('q')`` in one pass, a million tokens ~1 ms), so no
     // other thread can change them while they are hashed without it.
     let tokens: Vec<i64> = crate::with_ints(tokens, |t: &[i64]| t.to_vec())?;
-    let digests: Vec<[u8; 32]> = py.detach(|| {
-        let mut buf = Vec::with_capacity(64 + 9 * block_size);
-        tokens
-            .chunks_exact(block_size)
-            .map(|block| {
-                if cbor {
-                    cbor_block(&mut buf, &prev, block);
-                } else {
-                    pickle_block(&mut buf, &prev, block);
-                }
-                prev = Sha256::digest(&buf).into();
-                prev
-            })
-            .collect()
-    });
+    let digests = py.detach(|| chain(&tokens, block_size, prev, cbor));
     Ok(digests.iter().map(|d| PyBytes::new(py, d)).collect())
+}
+
+/// The chained digests of every full block of ``tokens`` after ``parent`` (the Rust side of
+/// [`block_digests`], also used by the incremental encoder). ``block_size`` is checked by the callers.
+pub(crate) fn chain(
+    tokens: &[i64],
+    block_size: usize,
+    parent: [u8; 32],
+    cbor: bool,
+) -> Vec<[u8; 32]> {
+    let mut prev = parent;
+    let mut buf = Vec::with_capacity(64 + 9 * block_size);
+    tokens
+        .chunks_exact(block_size)
+        .map(|block| {
+            if cbor {
+                cbor_block(&mut buf, &prev, block);
+            } else {
+                pickle_block(&mut buf, &prev, block);
+            }
+            prev = Sha256::digest(&buf).into();
+            prev
+        })
+        .collect()
+}
+
+/// The 64-bit value vLLM puts in KV events for a block digest (router/hashing.py's ``to_external``).
+pub(crate) fn to_external(digest: &[u8; 32]) -> u64 {
+    u64::from_be_bytes(digest[24..].try_into().expect("8 bytes"))
+}
+
+/// Whether ``algo`` is one this module reproduces, and which serializer it uses (``true``: CBOR).
+pub(crate) fn is_cbor(algo: &str) -> PyResult<bool> {
+    match algo {
+        "sha256" => Ok(false),
+        "sha256_cbor" => Ok(true),
+        _ => Err(PyValueError::new_err(format!(
+            "unsupported hash algorithm {algo:?}"
+        ))),
+    }
+}
+
+/// Whether one block of ``block_size`` tokens can be digested here (a pickled block stays in one frame).
+pub(crate) fn check_block_size(block_size: usize, cbor: bool) -> PyResult<()> {
+    if block_size == 0 || (!cbor && 16 + 9 * block_size >= PICKLE_FRAME_TARGET) {
+        return Err(PyValueError::new_err(format!(
+            "unsupported block size {block_size}"
+        )));
+    }
+    Ok(())
 }

@@ -7,6 +7,7 @@
 //! as any sequence of ints (KV events), converted.
 
 mod digests;
+mod incremental;
 
 use std::collections::VecDeque;
 
@@ -87,7 +88,15 @@ impl BlockTable {
     fn put(&mut self, h: u64, mask: u8, refs: u32, born: u64) -> bool {
         let stamp = self.tick();
         self.map
-            .insert(h, Entry { mask, refs, born, stamp })
+            .insert(
+                h,
+                Entry {
+                    mask,
+                    refs,
+                    born,
+                    stamp,
+                },
+            )
             .is_none()
     }
 
@@ -384,5 +393,7 @@ fn kvstrata_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<BlockTable>()?;
     m.add_class::<Recency>()?;
     m.add_function(wrap_pyfunction!(digests::block_digests, m)?)?;
+    m.add_class::<incremental::Encoder>()?;
+    m.add_class::<incremental::Walk>()?;
     Ok(())
 }

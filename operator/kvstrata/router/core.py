@@ -26,7 +26,7 @@ from kvstrata.router.admission import Gate, GateDeps
 from kvstrata.router.conversations import ConversationBoundFilter, ConversationTracker
 from kvstrata.router.decision import Decision
 from kvstrata.router.hashing import block_hashes, char_block_hashes, check_algo
-from kvstrata.router.incremental import Encoded, IncrementalEncoder, Walk
+from kvstrata.router.incremental import Encoded, PromptEncoder, WalkView
 from kvstrata.router.index import BlockIndex, PrefixMatch
 from kvstrata.router.metrics import RouterMetrics
 from kvstrata.router.outlier import OutlierDetector
@@ -110,9 +110,9 @@ class _Rest:
     """The rest of a prompt routed on its leading blocks: hashed on the background thread, or by the next
     request that needs it first (:meth:`Router._take_over`), whichever starts first."""
 
-    enc: IncrementalEncoder  # the completion or the rendered-chat encoder
+    enc: PromptEncoder[Any]  # the completion or the rendered-chat encoder
     text: str
-    walked: Walk
+    walked: WalkView
     done: asyncio.Future[tuple[int, array[int]]]  # (tokens, hashes) of the whole prompt
     job: Future[None] | None = None  # queued on the background thread (None: it had a backlog)
     taken: bool = False  # a request is hashing it on its own path
@@ -261,7 +261,7 @@ class Router:
         s = self.settings
         return self._counted(text, make(add_special_tokens, s.block_size, s.hash_algo).encode(text))
 
-    def _finish(self, enc: IncrementalEncoder, text: str, walked: Walk) -> tuple[int, array[int]]:
+    def _finish(self, enc: PromptEncoder[Any], text: str, walked: WalkView) -> tuple[int, array[int]]:
         return self._counted(text, enc.finish(text, walked))
 
     def _counted(self, text: str, got: Encoded) -> tuple[int, array[int]]:
@@ -302,7 +302,7 @@ class Router:
         )
         return Hashed(hashes, False, n)
 
-    def _probe(self, enc: IncrementalEncoder, text: str, walked: Walk) -> Hashed | _Rest | None:
+    def _probe(self, enc: PromptEncoder[Any], text: str, walked: WalkView) -> Hashed | _Rest | None:
         """Route a long new stretch on its first blocks (~2: :data:`_PROBE_CHARS_PER_BLOCK_TOKEN`) when no
         engine holds them.
 
@@ -325,7 +325,7 @@ class Router:
         held = max((m.blocks for m in self.index.lookup(probe.hashes).values()), default=0)
         if held >= len(probe.hashes):
             return self._rests.get(key)
-        per_char = (probe.tokens - walked.state.tokens) / (probe.chars - walked.pos)
+        per_char = (probe.tokens - walked.tokens) / (probe.chars - walked.pos)
         estimate = probe.tokens + round((len(text) - probe.chars) * per_char) + len(enc.suffix)
         loop = asyncio.get_running_loop()
         rest = _Rest(enc, text, walked, loop.create_future())

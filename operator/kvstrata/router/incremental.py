@@ -53,7 +53,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
-from typing import Any, Final, NamedTuple
+from typing import Any, Final, NamedTuple, Protocol, TypeVar
 
 from tokenizers import Tokenizer
 
@@ -235,6 +235,11 @@ class Walk(NamedTuple):
     parent_id: int  # the last cached chunk's node (-1: the tokenizer is not cut)
     base: str | None = None  # the remembered long prompt the walk started from (see _remember)
 
+    @property
+    def tokens(self) -> int:
+        """Tokens up to ``pos`` (the special tokens before the text included)."""
+        return self.state.tokens
+
 
 class Encoded(NamedTuple):
     tokens: int
@@ -248,6 +253,37 @@ class Probe(NamedTuple):
     hashes: array[int]  # the walk's hashes, then the full blocks of the stretch
     tokens: int  # tokens up to the stretch's end (special tokens before the text included)
     chars: int  # characters up to the stretch's end (a safe cut)
+
+
+class WalkView(Protocol):
+    """What the router reads of a walk, from this encoder or the native one."""
+
+    @property
+    def pos(self) -> int: ...
+    @property
+    def tokens(self) -> int: ...
+    @property
+    def hashes(self) -> array[int]: ...
+
+
+W = TypeVar("W", bound=WalkView)
+
+
+class PromptEncoder(Protocol[W]):
+    """Prompt text → (tokens, block hashes) reusing earlier prompts: :class:`IncrementalEncoder`, or
+    router/incremental_native.py's (the router's, where its self-check passes)."""
+
+    @property
+    def enabled(self) -> bool: ...
+    @property
+    def reason(self) -> str: ...
+    @property
+    def suffix(self) -> tuple[int, ...]: ...
+    def walk(self, text: str, blocking: bool = True) -> W | None: ...
+    def finish(self, text: str, walked: W) -> Encoded: ...
+    def probe(self, text: str, walked: W, chars: int) -> Probe | None: ...
+    def encode(self, text: str) -> Encoded: ...
+    def stats(self) -> dict[str, Any]: ...
 
 
 @dataclass

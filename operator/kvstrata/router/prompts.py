@@ -25,7 +25,8 @@ import jinja2.sandbox
 from tokenizers import Tokenizer
 
 from kvstrata.api.router_config import HashAlgo
-from kvstrata.router.incremental import IncrementalEncoder, Proof, prove
+from kvstrata.router.incremental import PromptEncoder, Proof, prove
+from kvstrata.router.incremental_native import make_encoder
 
 
 class TokenizerLoadError(ValueError):
@@ -110,17 +111,18 @@ class LocalTokenizer:
         # pay it here, not in the first requests' routing time.
         self._ids("warm up the tokenizer", add_special_tokens=True)
         self._proof: Proof | None = None
-        self._encoders: dict[tuple[bool, int, str], IncrementalEncoder] = {}
+        self._encoders: dict[tuple[bool, int, str], PromptEncoder[Any]] = {}
 
-    def incremental(self, add_special_tokens: bool, block_size: int, algo: HashAlgo) -> IncrementalEncoder:
+    def incremental(self, add_special_tokens: bool, block_size: int, algo: HashAlgo) -> PromptEncoder[Any]:
         """The prompt → (tokens, block hashes) encoder that reuses earlier prompts' chunks
-        (router/incremental.py): one for completions (``add_special_tokens``), one for rendered chat."""
+        (router/incremental.py, run natively where it can: router/incremental_native.py): one for
+        completions (``add_special_tokens``), one for rendered chat."""
         key = (add_special_tokens, block_size, algo)
         enc = self._encoders.get(key)
         if enc is None:
             if self._proof is None:
                 self._proof = prove(self.tokenizer)
-            enc = IncrementalEncoder(
+            enc = make_encoder(
                 self.tokenizer,
                 add_special_tokens=add_special_tokens,
                 block_size=block_size,

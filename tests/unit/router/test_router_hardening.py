@@ -34,7 +34,8 @@ from test_router_proxy import (  # fixtures and stand-ins shared with the failov
 )
 
 from kvstrata.api.router_config import RouterSettings
-from kvstrata.router.incremental import IncrementalEncoder
+from kvstrata.router.incremental import IncrementalEncoder, PromptEncoder
+from kvstrata.router.incremental_native import NativeIncrementalEncoder
 from kvstrata.router.loadscrape import LoadScraper
 from kvstrata.router.outcomes import FailureKind
 from kvstrata.router.outlier import AllEjected, OutlierDetector
@@ -785,7 +786,7 @@ async def test_large_prompt_work_runs_at_the_lowest_cpu_priority() -> None:
         pools.shutdown()
 
 
-def _share_of_process_cpu_on_calling_thread(enc: IncrementalEncoder, text: str) -> float:
+def _share_of_process_cpu_on_calling_thread(enc: PromptEncoder[Any], text: str) -> float:
     """The calling thread's CPU time over the process's while ``enc`` tokenizes all of ``text`` (new to
     it), called from a fresh thread."""
     share: list[float] = []
@@ -802,19 +803,25 @@ def _share_of_process_cpu_on_calling_thread(enc: IncrementalEncoder, text: str) 
 
 
 def test_a_prompt_is_tokenized_on_the_thread_the_router_gave_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The tokenizer library's own thread pool is off, so a prompt's pieces are encoded on the pool
-    thread the router chose (at the priority it gave it), not on threads of the library's at normal
-    priority. With the library's pool on, the same call runs almost wholly elsewhere."""
+    """A prompt's pieces are encoded on the pool thread the router chose (at the priority it gave it),
+    not on threads of the tokenizer library's at normal priority. The router's (native) encoder calls
+    the tokenizer there whatever the library's setting; the Python encoder does once the library's pool
+    is off (with it on, the same call runs almost wholly elsewhere)."""
     from kvstrata_dev.testing.tinymodel import default_tiny_model_dir, ensure_tiny_model
 
-    enc = LocalTokenizer(ensure_tiny_model(default_tiny_model_dir())).incremental(True, 16, "sha256")
+    lt = LocalTokenizer(ensure_tiny_model(default_tiny_model_dir()))
+    routers = lt.incremental(True, 16, "sha256")
+    assert isinstance(routers, NativeIncrementalEncoder)
+    python = IncrementalEncoder(lt.tokenizer, add_special_tokens=True, block_size=16, algo="sha256")
     words = " ".join(f"word{i % 97} and some more text number {i}" for i in range(8000))  # ~320K chars
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
-    assert _share_of_process_cpu_on_calling_thread(enc, "library pool: " + words) < 0.5
+    assert _share_of_process_cpu_on_calling_thread(python, "library pool: " + words) < 0.5
+    assert _share_of_process_cpu_on_calling_thread(routers, "library pool: " + words) > 0.8
     monkeypatch.delenv("TOKENIZERS_PARALLELISM")
     tokenize_on_calling_threads()
     assert os.environ["TOKENIZERS_PARALLELISM"] == "false"
-    assert _share_of_process_cpu_on_calling_thread(enc, "calling thread: " + words) > 0.8
+    assert _share_of_process_cpu_on_calling_thread(python, "calling thread: " + words) > 0.8
+    assert _share_of_process_cpu_on_calling_thread(routers, "calling thread: " + words) > 0.8
 
 
 # --- surface ------------------------------------------------------------------------------------------

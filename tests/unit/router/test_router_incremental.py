@@ -1,6 +1,8 @@
-"""Incremental tokenization (router/incremental.py): a prompt cut into chunks and reused across prompts
-gives exactly the ids and block hashes of a whole encode, for every tokenizer family the project
-generates or ships in tests, and for families it cannot prove it falls back to whole encodes."""
+"""Incremental tokenization (router/incremental.py, and its native twin router/incremental_native.py): a
+prompt cut into chunks and reused across prompts gives exactly the ids and block hashes of a whole
+encode, for every tokenizer family the project generates or ships in tests, and for families it cannot
+prove it falls back to whole encodes. Every test that does not look inside the Python encoder runs on
+both encoders."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import gc
 import random
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
@@ -16,9 +19,11 @@ from kvstrata.router.hashing import block_hashes
 from kvstrata.router.incremental import (
     LLAMA3_PATTERN,
     QWEN2_PATTERN,
+    SELF_TEST_TEXTS,
     IncrementalEncoder,
     prove,
 )
+from kvstrata.router.incremental_native import NativeIncrementalEncoder
 from kvstrata.router.prompts import LocalTokenizer
 
 BLOCK = 4  # small blocks: many block boundaries fall near the cuts
@@ -223,10 +228,22 @@ def _prompts(specials: tuple[str, ...]) -> list[str]:
     return out
 
 
-def _check_family(tok: Tokenizer, *, chunk: int) -> IncrementalEncoder:
+Encoder = IncrementalEncoder | NativeIncrementalEncoder
+# Both encoders take the same arguments.
+ENCODERS: dict[str, Callable[..., Encoder]] = {
+    "python": IncrementalEncoder,
+    "native": NativeIncrementalEncoder,
+}
+
+
+def _check_family(make: Callable[..., Encoder], tok: Tokenizer, *, chunk: int) -> Encoder:
     specials = tuple(t.content for t in tok.get_added_tokens_decoder().values())
+    enc: Encoder | None = None
     for add_special in (True, False):
-        enc = IncrementalEncoder(tok, add_special_tokens=add_special, block_size=BLOCK, chunk_chars=chunk)
+        enc = make(tok, add_special_tokens=add_special, block_size=BLOCK, chunk_chars=chunk)
+        if isinstance(enc, NativeIncrementalEncoder):
+            # The router takes the native encoder only where it gives the engine's ids (else Python's).
+            assert enc.agrees(SELF_TEST_TEXTS)
         probes = 0
         for text in _prompts(specials):
             want = tok.encode(text, add_special_tokens=add_special).ids
@@ -235,10 +252,11 @@ def _check_family(tok: Tokenizer, *, chunk: int) -> IncrementalEncoder:
             got = enc.encode(text)  # the trie is warm with the earlier prompts
             assert (got.tokens, got.hashes) == (len(want), block_hashes(want, BLOCK)), text[:60]
         assert probes > 50 if enc.enabled else probes == 0
+    assert enc is not None
     return enc
 
 
-def _check_probes(tok: Tokenizer, enc: IncrementalEncoder, text: str, want: list[int]) -> int:
+def _check_probes(tok: Tokenizer, enc: Encoder, text: str, want: list[int]) -> int:
     """A probe after the walk gives the whole encode's leading tokens and hashes, up to a safe cut,
     and changes neither the walk nor the cache."""
     walked = enc.walk(text)
@@ -262,26 +280,29 @@ def _check_probes(tok: Tokenizer, enc: IncrementalEncoder, text: str, want: list
     return made
 
 
+@pytest.mark.parametrize("encoder", sorted(ENCODERS))
 @pytest.mark.parametrize("family", sorted(PROVEN))
-def test_incremental_equals_whole_encode(family: str) -> None:
+def test_incremental_equals_whole_encode(family: str, encoder: str) -> None:
     tok = PROVEN[family]()
     proof = prove(tok)
     assert proof.family == family.split(" ")[0], proof.reason
-    enc = _check_family(tok, chunk=16)
+    enc = _check_family(ENCODERS[encoder], tok, chunk=16)
     assert enc.enabled and enc.stats()["chunks"] > 0
 
 
+@pytest.mark.parametrize("encoder", sorted(ENCODERS))
 @pytest.mark.parametrize("name", sorted(UNPROVEN))
-def test_unproven_tokenizers_are_encoded_whole(name: str) -> None:
+def test_unproven_tokenizers_are_encoded_whole(name: str, encoder: str) -> None:
     tok = UNPROVEN[name]()
     assert prove(tok).family is None
-    enc = _check_family(tok, chunk=16)
+    enc = _check_family(ENCODERS[encoder], tok, chunk=16)
     assert not enc.enabled and enc.stats()["chunks"] == 0
 
 
-def test_an_extending_prompt_tokenizes_only_its_tail() -> None:
+@pytest.mark.parametrize("encoder", sorted(ENCODERS))
+def test_an_extending_prompt_tokenizes_only_its_tail(encoder: str) -> None:
     tok = tiny_model()
-    enc = IncrementalEncoder(tok, add_special_tokens=True, block_size=32, chunk_chars=256)
+    enc = ENCODERS[encoder](tok, add_special_tokens=True, block_size=32, chunk_chars=256)
     rng = random.Random(3)
     prompt = _text(rng, 3000)
     first = enc.encode(prompt)
@@ -300,9 +321,10 @@ def test_an_extending_prompt_tokenizes_only_its_tail() -> None:
     assert len(prompt) // 2 - 3 * 256 - 64 < third.reused_chars <= len(prompt) // 2
 
 
-def test_the_cache_is_bounded() -> None:
+@pytest.mark.parametrize("encoder", sorted(ENCODERS))
+def test_the_cache_is_bounded(encoder: str) -> None:
     tok = tiny_model()
-    enc = IncrementalEncoder(
+    enc = ENCODERS[encoder](
         tok, add_special_tokens=True, block_size=32, chunk_chars=64, max_cached_chars=5000
     )
     rng = random.Random(5)
@@ -343,6 +365,7 @@ def test_chat_turns_reuse_the_rendered_conversation(tmp_path: Path) -> None:
 
     lt = LocalTokenizer(ensure_tiny_model(default_tiny_model_dir()))
     enc = lt.incremental(False, 32, "sha256")
+    assert isinstance(enc, NativeIncrementalEncoder)  # the router's, for the model it is tested with
     rng = random.Random(9)
     messages = [{"role": "system", "content": _text(rng, 400)}]
     reused = []
@@ -357,18 +380,28 @@ def test_chat_turns_reuse_the_rendered_conversation(tmp_path: Path) -> None:
     assert reused[0] == 0 and all(r > 1000 for r in reused[1:])
 
 
-def test_a_long_prompts_next_turn_starts_where_its_chunks_ended() -> None:
+def _remembered(enc: Any) -> int:
+    """How many long prompts ``enc`` remembers the chunk ends of."""
+    if isinstance(enc, NativeIncrementalEncoder):
+        return int(enc.stats()["recentPrompts"])
+    return sum(len(entries) for entries in enc._recent.values())
+
+
+@pytest.mark.parametrize("encoder", sorted(ENCODERS))
+def test_a_long_prompts_next_turn_starts_where_its_chunks_ended(encoder: str) -> None:
     """Long prompts remember where their chunks end; a prompt extending one starts there, prompts that
     diverge at or right after its last cut walk the trie instead, and all are exact."""
     tok = tiny_model()
-    enc = IncrementalEncoder(tok, add_special_tokens=True, block_size=32)
+    enc = ENCODERS[encoder](tok, add_special_tokens=True, block_size=32)
     rng = random.Random(21)
     prompt = _text(rng, 6000)
     assert len(prompt) > 20_000
     enc.encode(prompt)
-    assert enc._recent  # remembered
-    (_, [(_prefix, walked)]), *_ = enc._recent.items()
+    assert _remembered(enc) == 1
+    walked = enc.walk(prompt)  # from the remembered prompt: to its last cut
+    assert walked is not None
     cut = walked.pos
+    assert len(prompt) - 200 < cut < len(prompt)
     variants = [
         prompt + " and one more turn here.",  # extends it
         prompt[:cut] + "<s>" + prompt[cut:],  # an added token right at the last cut
