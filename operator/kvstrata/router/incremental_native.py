@@ -121,7 +121,7 @@ class NativeIncrementalEncoder:
             "enabled": self.enabled,
             "native": True,
             "chunks": chunks,
-            "cachedChars": cached,
+            "cachedBytes": cached,
             "recentPrompts": recent,
         }
 
