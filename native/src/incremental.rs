@@ -609,14 +609,11 @@ impl Encoder {
 
     /// The cached chunks ``text`` starts with; None if ``blocking`` is off and another thread holds them.
     #[pyo3(signature = (text, blocking = true))]
-    fn walk(&self, py: Python<'_>, text: &str, blocking: bool) -> Option<Walk> {
-        let big = if text.len() > RECENT_MIN_BYTES {
-            text.len()
-        } else {
-            0
-        };
-        self.detach(py, big, || self.walk_inner(text, blocking))
-            .map(|data| Walk { data })
+    fn walk(&self, text: &str, blocking: bool) -> Option<Walk> {
+        // With the GIL held, as the Python walk: it runs on the event loop (prompts up to 1 Mi characters;
+        // a longer one is encoded in the pools), a comparison and a lookup per chunk, and giving the GIL
+        // up there would let any thread waiting for it run first, up to a switch interval.
+        self.walk_inner(text, blocking).map(|data| Walk { data })
     }
 
     /// Tokenizes and hashes what ``walked`` did not find and caches its chunks:
