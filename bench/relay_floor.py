@@ -7,7 +7,13 @@ one thread), on uvloop with the router's collector settings:
 - **aiohttp-app**: an aiohttp ``web.Application`` with one route, as the router serves (no middleware);
 - **aiohttp-server**: aiohttp's low-level ``web.Server`` (no application, router or middleware);
 - **httptools**: a bare asyncio protocol around httptools' request parser, writing the response in one
-  piece: nearly nothing between the sockets and the upstream client.
+  piece: nearly nothing between the sockets and the upstream client;
+- **hyper**: no Python on the path at all: hyper's server and kept-alive client on one tokio thread
+  (`bench/relay_native/`, built by `make bench-relay-floor`): the floor of a native HTTP path;
+- **hyper-kv-aware**: the same, asking the router's kv-aware decision in Python for every request (parse,
+  decide, admit, commit; one GIL acquisition, on the tokio thread) and ending it when the answer is back
+  (release, settle; another), as `make bench-decision` does: what a native HTTP path would cost with the
+  decision kept in Python.
 
 CPU µs per request of the relay's process is the figure, as bench-proxy's; what separates kvstrata's
 round-robin from aiohttp-app is the proxy's own work (parsing, admission, failover, headers, metrics).
@@ -29,7 +35,8 @@ from bench.proxy_bench import request_body
 from bench.report import fmt, group_cpu_seconds, machine, table
 from bench.wrk import run_wrk, write_script
 
-KINDS = ("aiohttp-app", "aiohttp-server", "httptools")
+KINDS = ("aiohttp-app", "aiohttp-server", "httptools", "hyper", "hyper-kv-aware")
+_NATIVE_KINDS = ("hyper", "hyper-kv-aware")
 _HEADERS = {"content-type": "application/json"}
 
 
@@ -78,6 +85,70 @@ async def _serve(kind: str, port: int, upstream_url: str) -> None:
     else:
         await loop.create_server(lambda: _Bare(relay), "127.0.0.1", port, backlog=4096)
     await asyncio.Event().wait()
+
+
+def _serve_native(kind: str, port: int, upstream_url: str) -> None:
+    """The hyper relay, with the kv-aware decision asked of Python per request for ``hyper-kv-aware``."""
+    import kvstrata_relay_native
+
+    if kind == "hyper":
+        kvstrata_relay_native.serve(port, [upstream_url])
+        return
+    decide, end = _kv_aware_callbacks()
+    kvstrata_relay_native.serve(port, [upstream_url], decide, end)
+
+
+def _kv_aware_callbacks() -> tuple[Any, Any]:
+    """``decide(body) -> (endpoint index, ticket)`` and ``end(ticket)``: bench-decision's request, run to
+    completion on the calling (tokio) thread. A short prompt's decision and admission never wait, so
+    their coroutines finish on their first step; the thread is given the loop they were made on as its
+    running loop (asyncio's own hook), for the calls that ask for it."""
+    from kvstrata.api.router_config import RouterSettings
+    from kvstrata.router.core import Router
+    from kvstrata.router.metrics import RouterMetrics
+    from kvstrata.router.pool import EndpointSpec
+    from kvstrata.router.requests import parse_request
+    from kvstrata_dev.testing.tinymodel import default_tiny_model_dir, ensure_tiny_model
+
+    tokenizer = ensure_tiny_model(default_tiny_model_dir())
+    settings = RouterSettings.model_validate(
+        {"model": nginx_backend.MODEL, "blockSize": 32, "policy": "kv-aware", "tokenizer": str(tokenizer)}
+    )
+    loop = asyncio.new_event_loop()
+
+    async def make() -> Router:
+        return Router(settings, RouterMetrics())
+
+    router = loop.run_until_complete(make())
+    urls = [f"http://engine-{i}:8000" for i in range(3)]
+    router.pool.replace([EndpointSpec(u) for u in urls])
+
+    def now(coro: Any) -> Any:
+        try:
+            coro.send(None)
+        except StopIteration as done:
+            return done.value
+        coro.close()
+        raise RuntimeError("the decision waited")
+
+    def decide(body: bytes) -> tuple[int, Any]:
+        asyncio.events._set_running_loop(loop)  # thread-local: the tokio thread's
+        parsed = parse_request(body, "completion", settings.model, settings.max_prompt_chars)
+        decision = now(router.decide(parsed, None))
+        grant = now(router.gate.admit(decision, parsed.output_tokens()))
+        ep = grant.endpoint
+        if decision.committed is not ep:  # as the proxy's first try does
+            router.commit(decision, ep)
+        ep.in_flight += 1
+        return urls.index(ep.url), (decision, ep, grant.claim)
+
+    def end(ticket: Any) -> None:
+        decision, ep, claim = ticket
+        ep.in_flight -= 1
+        router.gate.release(claim, ended=True)
+        router.settle(decision, ep)
+
+    return decide, end
 
 
 class _Bare(asyncio.Protocol):
@@ -148,6 +219,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         "rps": round(res.rps),
                         "p50_ms": res.p50_ms,
                         "errors": res.errors,
+                        "non_2xx": res.non_2xx,
                         "cores": round(cpu / (time.monotonic() - t0), 2),
                         "cpu_us_per_request": round(cpu / ok * 1e6, 1) if ok else None,
                     }
@@ -164,16 +236,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def render(payload: dict[str, Any]) -> str:
     s = payload["settings"]
-    head = f"relays that decide nothing, bench-proxy's json load ({s['connections']} connections, {s['duration_s']:g} s)"
+    head = f"relays (all but hyper-kv-aware decide nothing), bench-proxy's json load ({s['connections']} connections, {s['duration_s']:g} s)"
     rows = [
-        [r["relay"], fmt(r["rps"], 0), fmt(r["p50_ms"], 2), str(r["errors"]), fmt(r["cpu_us_per_request"], 1)]
+        [
+            r["relay"],
+            fmt(r["rps"], 0),
+            fmt(r["p50_ms"], 2),
+            str(r["errors"]),
+            str(r.get("non_2xx", "-")),
+            fmt(r["cpu_us_per_request"], 1),
+        ]
         for r in payload["rows"]
     ]
-    return head + "\n" + table(["relay", "req/s", "p50 ms", "errors", "cpu us/req"], rows)
+    return head + "\n" + table(["relay", "req/s", "p50 ms", "errors", "non-2xx", "cpu us/req"], rows)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.serve in _NATIVE_KINDS:
+        from kvstrata.router.main import collect_rarely
+
+        collect_rarely()
+        _serve_native(args.serve, args.port, args.upstream)
+        return 0
     if args.serve:
         import uvloop
 

@@ -67,7 +67,14 @@ bench-decision: venv
 # The least a Python relay that decides nothing costs per request under bench-proxy's load (aiohttp's
 # application and low-level server, a bare httptools protocol; the router's upstream client). Writes
 # .bench/relay-floor.json.
-bench-relay-floor: venv bench-tools
+# The native relays (bench/relay_native/: hyper, tokio, PyO3), built into the venv by maturin with the
+# pinned crates of their Cargo.lock; benchmark only, never part of the router.
+RELAY_NATIVE_SRC := bench/relay_native/Cargo.toml bench/relay_native/Cargo.lock bench/relay_native/pyproject.toml $(wildcard bench/relay_native/src/*.rs)
+$(VENV)/.relay-native-ok: $(RELAY_NATIVE_SRC) $(VENV)/.ok
+	$(PY) -m pip install --disable-pip-version-check -q ./bench/relay_native
+	touch $@
+
+bench-relay-floor: venv bench-tools $(VENV)/.relay-native-ok
 	$(PY) -m bench.relay_floor --out $(BENCH_DIR)/relay-floor.json $(BENCH_ARGS)
 
 bench-lint: venv
