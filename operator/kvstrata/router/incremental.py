@@ -601,6 +601,7 @@ class IncrementalEncoder:
             "family": self.proof.family,
             "reason": self.proof.reason,
             "enabled": self.enabled,
+            "native": False,
             "chunks": len(self._trie.nodes),
             "cachedChars": self._trie.chars,
         }

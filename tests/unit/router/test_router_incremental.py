@@ -23,7 +23,7 @@ from kvstrata.router.incremental import (
     IncrementalEncoder,
     prove,
 )
-from kvstrata.router.incremental_native import NativeIncrementalEncoder
+from kvstrata.router.incremental_native import NativeIncrementalEncoder, make_encoder
 from kvstrata.router.prompts import LocalTokenizer
 
 BLOCK = 4  # small blocks: many block boundaries fall near the cuts
@@ -415,3 +415,42 @@ def test_a_long_prompts_next_turn_starts_where_its_chunks_ended(encoder: str) ->
         ids = tok.encode(text).ids
         assert (got.tokens, got.hashes) == (len(ids), block_hashes(ids, 32)), text[cut - 20 : cut + 20]
     assert enc.encode(variants[0] + " more.").reused_chars >= cut
+
+
+def test_the_router_takes_the_native_encoder_only_where_it_gives_the_engines_ids(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The native encoder tokenizes with the crate, not the engine's package: where the two disagree on
+    the self-test corpus (a crate release that tokenizes differently, made to happen here), the router
+    encodes in Python, and still gives the engine's ids."""
+    tok = tiny_model()
+    proof = prove(tok)
+    native = make_encoder(tok, add_special_tokens=True, block_size=BLOCK, algo="sha256", proof=proof)
+    assert isinstance(native, NativeIncrementalEncoder) and native.stats()["native"] is True
+    real_agrees = NativeIncrementalEncoder.agrees
+
+    def differs(self: NativeIncrementalEncoder, texts: Any) -> bool:
+        self._core = _OffByOne(self._core)  # a crate that encodes one self-test text differently
+        return real_agrees(self, texts)
+
+    monkeypatch.setattr(NativeIncrementalEncoder, "agrees", differs)
+    enc = make_encoder(tok, add_special_tokens=True, block_size=BLOCK, algo="sha256", proof=proof)
+    assert isinstance(enc, IncrementalEncoder) and enc.stats()["native"] is False
+    text = "the quick brown fox and then some more words follow here"
+    ids = tok.encode(text).ids
+    got = enc.encode(text)
+    assert (got.tokens, got.hashes) == (len(ids), block_hashes(ids, BLOCK))
+
+
+class _OffByOne:
+    """The native encoder, its whole encodes of one text off by one id."""
+
+    def __init__(self, core: Any) -> None:
+        self._core = core
+
+    def full_ids(self, text: str) -> list[int]:
+        ids = list(self._core.full_ids(text))
+        return [*ids[:-1], ids[-1] + 1] if "fox" in text and ids else ids
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._core, name)
