@@ -13,7 +13,10 @@ one thread), on uvloop with the router's collector settings:
 - **hyper-kv-aware**: the same, asking the router's kv-aware decision in Python for every request (parse,
   decide, admit, commit; one GIL acquisition, on the tokio thread) and ending it when the answer is back
   (release, settle; another), as `make bench-decision` does: what a native HTTP path would cost with the
-  decision kept in Python.
+  decision kept in Python;
+- **hyper-kv-aware-loop**: the same decision run where the router runs it today, on an asyncio event loop
+  (uvloop) in the main thread, a task per request: the tokio thread hands each request over
+  (``call_soon_threadsafe``) and waits for the answer, and the end goes back the same way.
 
 CPU µs per request of the relay's process is the figure, as bench-proxy's; what separates kvstrata's
 round-robin from aiohttp-app is the proxy's own work (parsing, admission, failover, headers, metrics).
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, cast
@@ -35,8 +39,8 @@ from bench.proxy_bench import request_body
 from bench.report import fmt, group_cpu_seconds, machine, table
 from bench.wrk import run_wrk, write_script
 
-KINDS = ("aiohttp-app", "aiohttp-server", "httptools", "hyper", "hyper-kv-aware")
-_NATIVE_KINDS = ("hyper", "hyper-kv-aware")
+KINDS = ("aiohttp-app", "aiohttp-server", "httptools", "hyper", "hyper-kv-aware", "hyper-kv-aware-loop")
+_NATIVE_KINDS = ("hyper", "hyper-kv-aware", "hyper-kv-aware-loop")
 _HEADERS = {"content-type": "application/json"}
 
 
@@ -93,9 +97,78 @@ def _serve_native(kind: str, port: int, upstream_url: str) -> None:
 
     if kind == "hyper":
         kvstrata_relay_native.serve(port, [upstream_url])
-        return
-    decide, end = _kv_aware_callbacks()
-    kvstrata_relay_native.serve(port, [upstream_url], decide, end)
+    elif kind == "hyper-kv-aware":
+        decide, end = _kv_aware_callbacks()
+        kvstrata_relay_native.serve(port, [upstream_url], decide, end)
+    else:
+        import uvloop
+
+        uvloop.run(_serve_native_on_loop(port, upstream_url))
+
+
+async def _serve_native_on_loop(port: int, upstream_url: str) -> None:
+    """hyper-kv-aware-loop: the decision as a task on this loop, the HTTP path on the tokio thread."""
+    import kvstrata_relay_native
+
+    from kvstrata.router.requests import parse_request
+
+    router, urls, settings = _kv_aware_router()
+    loop = asyncio.get_running_loop()
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def decide(body: bytes, reply: Any) -> None:
+        parsed = parse_request(body, "completion", settings.model, settings.max_prompt_chars)
+        decision = await router.decide(parsed, None)
+        grant = await router.gate.admit(decision, parsed.output_tokens())
+        ep = grant.endpoint
+        if decision.committed is not ep:
+            router.commit(decision, ep)
+        ep.in_flight += 1
+        reply.send(urls.index(ep.url), (decision, ep, grant.claim))
+
+    def start(body: bytes, reply: Any) -> None:
+        task = loop.create_task(decide(body, reply))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    def finish(ticket: Any) -> None:
+        decision, ep, claim = ticket
+        ep.in_flight -= 1
+        router.gate.release(claim, ended=True)
+        router.settle(decision, ep)
+
+    def submit(body: bytes, reply: Any) -> None:  # on the tokio thread
+        loop.call_soon_threadsafe(start, body, reply)
+
+    def end(ticket: Any) -> None:  # on the tokio thread
+        loop.call_soon_threadsafe(finish, ticket)
+
+    threading.Thread(
+        target=kvstrata_relay_native.serve,
+        args=(port, [upstream_url]),
+        kwargs={"end": end, "submit": submit},
+        daemon=True,
+    ).start()
+    await asyncio.Event().wait()
+
+
+def _kv_aware_router() -> tuple[Any, list[str], Any]:
+    """A kv-aware router with the tiny model's tokenizer and three endpoints (never contacted), as
+    bench-decision's; made on the running loop."""
+    from kvstrata.api.router_config import RouterSettings
+    from kvstrata.router.core import Router
+    from kvstrata.router.metrics import RouterMetrics
+    from kvstrata.router.pool import EndpointSpec
+    from kvstrata_dev.testing.tinymodel import default_tiny_model_dir, ensure_tiny_model
+
+    tokenizer = ensure_tiny_model(default_tiny_model_dir())
+    settings = RouterSettings.model_validate(
+        {"model": nginx_backend.MODEL, "blockSize": 32, "policy": "kv-aware", "tokenizer": str(tokenizer)}
+    )
+    router = Router(settings, RouterMetrics())
+    urls = [f"http://engine-{i}:8000" for i in range(3)]
+    router.pool.replace([EndpointSpec(u) for u in urls])
+    return router, urls, settings
 
 
 def _kv_aware_callbacks() -> tuple[Any, Any]:
@@ -103,25 +176,14 @@ def _kv_aware_callbacks() -> tuple[Any, Any]:
     completion on the calling (tokio) thread. A short prompt's decision and admission never wait, so
     their coroutines finish on their first step; the thread is given the loop they were made on as its
     running loop (asyncio's own hook), for the calls that ask for it."""
-    from kvstrata.api.router_config import RouterSettings
-    from kvstrata.router.core import Router
-    from kvstrata.router.metrics import RouterMetrics
-    from kvstrata.router.pool import EndpointSpec
     from kvstrata.router.requests import parse_request
-    from kvstrata_dev.testing.tinymodel import default_tiny_model_dir, ensure_tiny_model
 
-    tokenizer = ensure_tiny_model(default_tiny_model_dir())
-    settings = RouterSettings.model_validate(
-        {"model": nginx_backend.MODEL, "blockSize": 32, "policy": "kv-aware", "tokenizer": str(tokenizer)}
-    )
     loop = asyncio.new_event_loop()
 
-    async def make() -> Router:
-        return Router(settings, RouterMetrics())
+    async def make() -> tuple[Any, list[str], Any]:
+        return _kv_aware_router()
 
-    router = loop.run_until_complete(make())
-    urls = [f"http://engine-{i}:8000" for i in range(3)]
-    router.pool.replace([EndpointSpec(u) for u in urls])
+    router, urls, settings = loop.run_until_complete(make())
 
     def now(coro: Any) -> Any:
         try:

@@ -5,12 +5,14 @@
 //! its response returned whole (bench-proxy's json mode). With ``decide``, every request first asks
 //! Python which upstream to take (one GIL acquisition, the body passed as bytes) and, with ``end``,
 //! tells Python when its answer is back (another): the cost of keeping the router's decision in Python
-//! behind a native HTTP path.
+//! behind a native HTTP path. With ``submit`` instead, the tokio thread only hands each request to
+//! Python (``submit(body, reply)``, which queues it on an event loop in another thread) and waits for
+//! ``reply.send``: the decision runs on the event loop, as the router's does today.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -25,13 +27,40 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+
+/// How each request's upstream is chosen.
+enum Chooser {
+    RoundRobin(AtomicUsize),
+    /// ``decide(body) -> (index, ticket)``, called on the tokio thread.
+    Decide(Py<PyAny>),
+    /// ``submit(body, reply)``; the answer comes back through ``reply.send(index, ticket)``.
+    Submit(Py<PyAny>),
+}
 
 struct Relay {
     upstreams: Vec<String>,
     client: Client<HttpConnector, Full<Bytes>>,
-    next: AtomicUsize,
-    decide: Option<Py<PyAny>>,
+    chooser: Chooser,
     end: Option<Py<PyAny>>,
+}
+
+/// A request's upstream index and Python's ticket for ``end``.
+type Answer = (usize, Py<PyAny>);
+
+/// The answer to one submitted request, sent from Python (any thread) to the waiting tokio task.
+#[pyclass(module = "kvstrata_relay_native", frozen)]
+struct Reply {
+    tx: Mutex<Option<oneshot::Sender<Answer>>>,
+}
+
+#[pymethods]
+impl Reply {
+    fn send(&self, index: usize, ticket: Py<PyAny>) {
+        if let Some(tx) = self.tx.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = tx.send((index, ticket));
+        }
+    }
 }
 
 fn reply(status: StatusCode, body: Bytes) -> Response<Full<Bytes>> {
@@ -46,14 +75,27 @@ fn reply(status: StatusCode, body: Bytes) -> Response<Full<Bytes>> {
 
 impl Relay {
     /// (upstream index, Python's ticket for ``end``).
-    fn choose(&self, body: &Bytes) -> PyResult<(usize, Option<Py<PyAny>>)> {
-        match &self.decide {
-            None => Ok((self.next.fetch_add(1, Ordering::Relaxed), None)),
-            Some(decide) => Python::attach(|py| {
+    async fn choose(&self, body: &Bytes) -> PyResult<(usize, Option<Py<PyAny>>)> {
+        match &self.chooser {
+            Chooser::RoundRobin(next) => Ok((next.fetch_add(1, Ordering::Relaxed), None)),
+            Chooser::Decide(decide) => Python::attach(|py| {
                 let got = decide.call1(py, (PyBytes::new(py, body),))?;
-                let (i, ticket): (usize, Py<PyAny>) = got.extract(py)?;
+                let (i, ticket): Answer = got.extract(py)?;
                 Ok((i, Some(ticket)))
             }),
+            Chooser::Submit(submit) => {
+                let (tx, rx) = oneshot::channel();
+                Python::attach(|py| {
+                    let answer = Reply {
+                        tx: Mutex::new(Some(tx)),
+                    };
+                    submit
+                        .call1(py, (PyBytes::new(py, body), answer))
+                        .map(|_| ())
+                })?;
+                let (i, ticket) = rx.await.map_err(|_| PyRuntimeError::new_err("no reply"))?;
+                Ok((i, Some(ticket)))
+            }
         }
     }
 
@@ -66,7 +108,7 @@ impl Relay {
             Ok(b) => b.to_bytes(),
             Err(_) => return Ok(reply(StatusCode::BAD_REQUEST, Bytes::new())),
         };
-        let (i, ticket) = match self.choose(&body) {
+        let (i, ticket) = match self.choose(&body).await {
             Ok(c) => c,
             Err(e) => {
                 return Ok(reply(
@@ -116,22 +158,28 @@ async fn run(port: u16, relay: Arc<Relay>) -> std::io::Result<()> {
     }
 }
 
-/// Serves until the process ends: forwards every request to ``upstreams`` (round-robin, or the index
-/// ``decide(body)`` returns with a ticket, handed to ``end(ticket)`` once the answer is back).
+/// Serves until the process ends: forwards every request to ``upstreams`` (round-robin; or the index
+/// ``decide(body)`` returns, or ``submit(body, reply)`` sends back, with a ticket handed to
+/// ``end(ticket)`` once the answer is back).
 #[pyfunction]
-#[pyo3(signature = (port, upstreams, decide = None, end = None))]
+#[pyo3(signature = (port, upstreams, decide = None, end = None, submit = None))]
 fn serve(
     py: Python<'_>,
     port: u16,
     upstreams: Vec<String>,
     decide: Option<Py<PyAny>>,
     end: Option<Py<PyAny>>,
+    submit: Option<Py<PyAny>>,
 ) -> PyResult<()> {
+    let chooser = match (decide, submit) {
+        (Some(d), _) => Chooser::Decide(d),
+        (None, Some(s)) => Chooser::Submit(s),
+        (None, None) => Chooser::RoundRobin(AtomicUsize::new(0)),
+    };
     let relay = Arc::new(Relay {
         upstreams,
         client: Client::builder(TokioExecutor::new()).build_http(),
-        next: AtomicUsize::new(0),
-        decide,
+        chooser,
         end,
     });
     py.detach(|| {
@@ -146,5 +194,6 @@ fn serve(
 #[pymodule]
 fn kvstrata_relay_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(serve, m)?)?;
+    m.add_class::<Reply>()?;
     Ok(())
 }
