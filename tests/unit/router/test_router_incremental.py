@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import random
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -454,3 +455,37 @@ class _OffByOne:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._core, name)
+
+
+@pytest.mark.parametrize("encoder", sorted(ENCODERS))
+def test_threads_sharing_one_encoder_get_exact_ids(encoder: str) -> None:
+    """The router's tokenizer threads and its event loop share one encoder (its chunk trie and remembered
+    long prompts): four threads encoding conversations that share system prompts, all at once, walking
+    and caching over each other's chunks (non-blocking walks too, as the loop does), each get a whole
+    encode's tokens and hashes."""
+    tok = tiny_model()
+    enc = ENCODERS[encoder](tok, add_special_tokens=True, block_size=BLOCK, chunk_chars=64)
+    systems = [_text(random.Random(s), 3000) for s in range(2)]
+    assert min(map(len, systems)) > 16_384  # long prompts: remembered where their chunks end
+    errors: list[str] = []
+    start = threading.Barrier(4)
+
+    def converse(seed: int) -> None:
+        rng = random.Random(seed)
+        text = systems[seed % 2]
+        start.wait()
+        for _ in range(6):
+            text += _text(rng, rng.randint(3, 40))
+            walked = enc.walk(text, blocking=rng.random() < 0.5)
+            got = enc.encode(text) if walked is None else enc.finish(text, walked)
+            ids = tok.encode(text).ids
+            if (got.tokens, got.hashes) != (len(ids), block_hashes(ids, BLOCK)):
+                errors.append(f"thread {seed}: {text[-60:]!r}")
+
+    threads = [threading.Thread(target=converse, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert enc.stats()["chunks"] > 0 and _remembered(enc) > 0
