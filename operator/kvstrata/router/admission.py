@@ -330,17 +330,24 @@ class Gate:
         claims = self._claims.get(claim.endpoint.url)
         if claims is not None and claim in claims:
             claims.remove(claim)
-            self._unpin(claim)
-            if ended and self.settings.anticipate_seconds > 0:
-                self._anticipate(claim)
+            now = time.monotonic()
+            keep = ended and self.settings.anticipate_seconds > 0 and self._followed(claim, now)
+            # A room kept for its follow-up counts the claim's blocks as it did while running: they stay
+            # in the kept trie (taking them out and putting them back leaves the same trie, at twice
+            # the bisections).
+            self._unpin(claim, kept=keep)
+            if keep:
+                self._anticipate(claim, now)
         if self._held_at:
             self.pump()
 
-    def _anticipate(self, claim: Claim) -> None:
-        now = time.monotonic()
+    def _followed(self, claim: Claim, now: float) -> bool:
+        """``claim``'s request ended well: whether its group usually sends a follow-up in the window."""
         self._followups.ended(claim.hashes, claim.endpoint.url, now)
-        if not self._followups.expected(claim.hashes):
-            return
+        return self._followups.expected(claim.hashes)
+
+    def _anticipate(self, claim: Claim, now: float) -> None:
+        """Keep ``claim``'s room for its follow-up (its blocks are still in the kept trie)."""
         window = self.settings.anticipate_seconds
         # Rooms are closed as they expire wherever they are counted; a follow-up taking its room counts
         # none, so where every request is one (an agent's loop) only this keeps the list from growing.
@@ -350,7 +357,6 @@ class Gate:
         # newest ends last: appending keeps the list in order of expiry.
         self._reserved.setdefault(claim.endpoint.url, []).append(r)
         self._reserved_for.setdefault(claim.hashes[-1], []).append(r)
-        self._pinned_kept.setdefault(claim.endpoint.url, _Pinned()).add(claim.key, claim.blocks)
         log.debug(
             "reserve prefix=%016x blocks=%d at %s for %.3fs",
             claim.hashes[0],
@@ -368,10 +374,13 @@ class Gate:
         self._pinned.setdefault(c.endpoint.url, _Pinned()).add(c.key, c.blocks)
         self._pinned_kept.setdefault(c.endpoint.url, _Pinned()).add(c.key, c.blocks)
 
-    def _unpin(self, c: Claim) -> None:
+    def _unpin(self, c: Claim, *, kept: bool = False) -> None:
+        """``c`` no longer runs; ``kept``: its room is kept for a follow-up, so its blocks stay in the
+        kept trie (until the room closes)."""
         self._freeze(c.endpoint.url)
         self._pinned[c.endpoint.url].remove(c.key, c.blocks)
-        self._pinned_kept[c.endpoint.url].remove(c.key, c.blocks)
+        if not kept:
+            self._pinned_kept[c.endpoint.url].remove(c.key, c.blocks)
 
     def _freeze(self, url: str) -> None:
         """In a pass, keep ``url``'s running claims as the pass began before they change."""
