@@ -110,38 +110,23 @@ async def _serve_native_on_loop(port: int, upstream_url: str) -> None:
     """hyper-kv-aware-loop: the decision as a task on this loop, the HTTP path on the tokio thread."""
     import kvstrata_relay_native
 
-    from kvstrata.router.requests import parse_request
-
-    router, urls, settings = _kv_aware_router()
+    kv = _KvAware()
     loop = asyncio.get_running_loop()
     tasks: set[asyncio.Task[None]] = set()
 
     async def decide(body: bytes, reply: Any) -> None:
-        parsed = parse_request(body, "completion", settings.model, settings.max_prompt_chars)
-        decision = await router.decide(parsed, None)
-        grant = await router.gate.admit(decision, parsed.output_tokens())
-        ep = grant.endpoint
-        if decision.committed is not ep:
-            router.commit(decision, ep)
-        ep.in_flight += 1
-        reply.send(urls.index(ep.url), (decision, ep, grant.claim))
+        reply.send(*await kv.admit(body))
 
     def start(body: bytes, reply: Any) -> None:
         task = loop.create_task(decide(body, reply))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 
-    def finish(ticket: Any) -> None:
-        decision, ep, claim = ticket
-        ep.in_flight -= 1
-        router.gate.release(claim, ended=True)
-        router.settle(decision, ep)
-
     def submit(body: bytes, reply: Any) -> None:  # on the tokio thread
         loop.call_soon_threadsafe(start, body, reply)
 
     def end(ticket: Any) -> None:  # on the tokio thread
-        loop.call_soon_threadsafe(finish, ticket)
+        loop.call_soon_threadsafe(kv.end, ticket)
 
     threading.Thread(
         target=kvstrata_relay_native.serve,
@@ -152,65 +137,71 @@ async def _serve_native_on_loop(port: int, upstream_url: str) -> None:
     await asyncio.Event().wait()
 
 
-def _kv_aware_router() -> tuple[Any, list[str], Any]:
-    """A kv-aware router with the tiny model's tokenizer and three endpoints (never contacted), as
-    bench-decision's; made on the running loop."""
-    from kvstrata.api.router_config import RouterSettings
-    from kvstrata.router.core import Router
-    from kvstrata.router.metrics import RouterMetrics
-    from kvstrata.router.pool import EndpointSpec
-    from kvstrata_dev.testing.tinymodel import default_tiny_model_dir, ensure_tiny_model
+class _KvAware:
+    """bench-decision's request on a kv-aware router with the tiny model's tokenizer and three endpoints
+    (never contacted): :meth:`admit` parses, decides, admits and commits; :meth:`end` releases and
+    settles. Made on a running loop."""
 
-    tokenizer = ensure_tiny_model(default_tiny_model_dir())
-    settings = RouterSettings.model_validate(
-        {"model": nginx_backend.MODEL, "blockSize": 32, "policy": "kv-aware", "tokenizer": str(tokenizer)}
-    )
-    router = Router(settings, RouterMetrics())
-    urls = [f"http://engine-{i}:8000" for i in range(3)]
-    router.pool.replace([EndpointSpec(u) for u in urls])
-    return router, urls, settings
+    def __init__(self) -> None:
+        from kvstrata.api.router_config import RouterSettings
+        from kvstrata.router.core import Router
+        from kvstrata.router.metrics import RouterMetrics
+        from kvstrata.router.pool import EndpointSpec
+        from kvstrata_dev.testing.tinymodel import default_tiny_model_dir, ensure_tiny_model
 
+        tokenizer = ensure_tiny_model(default_tiny_model_dir())
+        self.settings = RouterSettings.model_validate(
+            {"model": nginx_backend.MODEL, "blockSize": 32, "policy": "kv-aware", "tokenizer": str(tokenizer)}
+        )
+        self.router = Router(self.settings, RouterMetrics())
+        self.urls = [f"http://engine-{i}:8000" for i in range(3)]
+        self.router.pool.replace([EndpointSpec(u) for u in self.urls])
 
-def _kv_aware_callbacks() -> tuple[Any, Any]:
-    """``decide(body) -> (endpoint index, ticket)`` and ``end(ticket)``: bench-decision's request, run to
-    completion on the calling (tokio) thread. A short prompt's decision and admission never wait, so
-    their coroutines finish on their first step; the thread is given the loop they were made on as its
-    running loop (asyncio's own hook), for the calls that ask for it."""
-    from kvstrata.router.requests import parse_request
+    async def admit(self, body: bytes) -> tuple[int, Any]:
+        """(the chosen endpoint's index, the ticket for :meth:`end`)."""
+        from kvstrata.router.requests import parse_request
 
-    loop = asyncio.new_event_loop()
-
-    async def make() -> tuple[Any, list[str], Any]:
-        return _kv_aware_router()
-
-    router, urls, settings = loop.run_until_complete(make())
-
-    def now(coro: Any) -> Any:
-        try:
-            coro.send(None)
-        except StopIteration as done:
-            return done.value
-        coro.close()
-        raise RuntimeError("the decision waited")
-
-    def decide(body: bytes) -> tuple[int, Any]:
-        asyncio.events._set_running_loop(loop)  # thread-local: the tokio thread's
-        parsed = parse_request(body, "completion", settings.model, settings.max_prompt_chars)
-        decision = now(router.decide(parsed, None))
-        grant = now(router.gate.admit(decision, parsed.output_tokens()))
+        s, router = self.settings, self.router
+        parsed = parse_request(body, "completion", s.model, s.max_prompt_chars)
+        decision = await router.decide(parsed, None)
+        grant = await router.gate.admit(decision, parsed.output_tokens())
         ep = grant.endpoint
         if decision.committed is not ep:  # as the proxy's first try does
             router.commit(decision, ep)
         ep.in_flight += 1
-        return urls.index(ep.url), (decision, ep, grant.claim)
+        return self.urls.index(ep.url), (decision, ep, grant.claim)
 
-    def end(ticket: Any) -> None:
+    def end(self, ticket: Any) -> None:
         decision, ep, claim = ticket
         ep.in_flight -= 1
-        router.gate.release(claim, ended=True)
-        router.settle(decision, ep)
+        self.router.gate.release(claim, ended=True)
+        self.router.settle(decision, ep)
 
-    return decide, end
+
+def _kv_aware_callbacks() -> tuple[Any, Any]:
+    """``decide(body) -> (endpoint index, ticket)`` and ``end(ticket)``, run to completion on the calling
+    (tokio) thread. A short prompt's decision and admission never wait, so the coroutine finishes on its
+    first step; the thread is given the loop the router was made on as its running loop (asyncio's own
+    hook), for the calls that ask for it."""
+    loop = asyncio.new_event_loop()
+
+    async def make() -> _KvAware:
+        return _KvAware()
+
+    kv = loop.run_until_complete(make())
+
+    def decide(body: bytes) -> tuple[int, Any]:
+        asyncio.events._set_running_loop(loop)  # thread-local: the tokio thread's
+        coro = kv.admit(body)
+        try:
+            coro.send(None)
+        except StopIteration as done:
+            result: tuple[int, Any] = done.value
+            return result
+        coro.close()
+        raise RuntimeError("the decision waited")
+
+    return decide, kv.end
 
 
 class _Bare(asyncio.Protocol):

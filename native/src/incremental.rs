@@ -434,21 +434,24 @@ impl Encoder {
             done = full;
         }
         let mut hashes = w.hashes.clone();
-        hashes.extend_from_slice(&got[..done]);
-        let mut chunked = WalkData {
-            pos: bounds[bounds.len() - 2],
-            chars: chunked_chars,
-            state: chunked_state,
-            hashes: hashes.clone(),
-            parent: w.parent,
-            base: None,
-        };
-        hashes.extend_from_slice(&got[done..]);
+        hashes.extend_from_slice(&got);
+        let chunked_pos = bounds[bounds.len() - 2];
         let mut inner = lock(&self.inner);
-        if !new.is_empty() {
-            chunked.parent = self.insert(&mut inner.trie, w.parent, new);
-        }
-        if chunked.pos > RECENT_MIN_BYTES {
+        let parent = if new.is_empty() {
+            w.parent
+        } else {
+            self.insert(&mut inner.trie, w.parent, new)
+        };
+        if chunked_pos > RECENT_MIN_BYTES {
+            // The walk to the last cut, kept only for a long prompt (most prompts are not remembered).
+            let chunked = WalkData {
+                pos: chunked_pos,
+                chars: chunked_chars,
+                state: chunked_state,
+                hashes: hashes[..w.hashes.len() + done].to_vec(),
+                parent,
+                base: None,
+            };
             let prefix: Arc<[u8]> = t.into(); // the whole prompt: one that starts with all of it shares the context
             remember(&mut inner, prefix, chunked, w.base.as_ref());
         }
@@ -495,13 +498,14 @@ impl Encoder {
         }
         parent
     }
+}
 
-    fn detach<T: Send>(&self, py: Python<'_>, bytes: usize, f: impl FnOnce() -> T + Send) -> T {
-        if bytes > DETACH_BYTES {
-            py.detach(f)
-        } else {
-            f()
-        }
+/// ``f`` with the GIL released when it works on more than [`DETACH_BYTES`].
+fn detach<T: Send>(py: Python<'_>, bytes: usize, f: impl FnOnce() -> T + Send) -> T {
+    if bytes > DETACH_BYTES {
+        py.detach(f)
+    } else {
+        f()
     }
 }
 
@@ -629,7 +633,7 @@ impl Encoder {
         walked: &Walk,
     ) -> PyResult<(usize, Bound<'py, PyAny>, usize)> {
         let w = &walked.data;
-        let (n, hashes, reused) = self.detach(py, text.len().saturating_sub(w.pos), || {
+        let (n, hashes, reused) = detach(py, text.len().saturating_sub(w.pos), || {
             self.finish_inner(text, w)
         })?;
         Ok((n, hash_array(py, &hashes)?, reused))
@@ -645,7 +649,7 @@ impl Encoder {
         chars: usize,
     ) -> PyResult<Option<(Bound<'py, PyAny>, usize, usize)>> {
         let w = &walked.data;
-        match self.detach(py, chars, || self.probe_inner(text, w, chars))? {
+        match detach(py, chars, || self.probe_inner(text, w, chars))? {
             None => Ok(None),
             Some((hashes, tokens, at)) => Ok(Some((hash_array(py, &hashes)?, tokens, at))),
         }
@@ -657,7 +661,7 @@ impl Encoder {
         py: Python<'py>,
         text: &str,
     ) -> PyResult<(usize, Bound<'py, PyAny>, usize)> {
-        let (n, hashes, reused) = self.detach(py, text.len(), || {
+        let (n, hashes, reused) = detach(py, text.len(), || {
             let w = self
                 .walk_inner(text, true)
                 .expect("a blocking walk always gets the lock");
@@ -668,7 +672,7 @@ impl Encoder {
 
     /// The ids of a whole encode by this crate's tokenizer (for the self-check against the engine's).
     fn full_ids(&self, py: Python<'_>, text: &str) -> PyResult<Vec<u32>> {
-        self.detach(py, text.len(), || self.ids(text, self.add_special))
+        detach(py, text.len(), || self.ids(text, self.add_special))
     }
 
     /// The ids assembled from chunks cut every ``step`` bytes (default: the chunk sizes).
@@ -677,7 +681,7 @@ impl Encoder {
         if !self.enabled {
             return self.full_ids(py, text);
         }
-        self.detach(py, text.len(), || {
+        detach(py, text.len(), || {
             let mut bounds = vec![0];
             bounds.extend(self.cuts(text.as_bytes(), 0, step));
             bounds.push(text.len());
