@@ -7,6 +7,7 @@
 //! as any sequence of ints (KV events), converted.
 
 mod digests;
+mod front;
 mod incremental;
 
 use std::collections::VecDeque;
@@ -395,5 +396,6 @@ fn kvstrata_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(digests::block_digests, m)?)?;
     m.add_class::<incremental::Encoder>()?;
     m.add_class::<incremental::Walk>()?;
+    front::register(m)?;
     Ok(())
 }

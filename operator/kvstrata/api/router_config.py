@@ -343,6 +343,12 @@ class RouterSettings(_Wire):
     prefix_hash_blocks: int = Field(1, ge=1, description="prefix-hash policy: blocks that form the hash key")
     max_upstream_connections: int = Field(2048, ge=1, description="Pooled keep-alive connections to engines")
     tokenizer_threads: int = Field(2, ge=1, description="Thread pool for tokenization and hashing")
+    data_plane: Literal["python", "native"] = Field(
+        "python",
+        description="Who serves HTTP: the Python app, or the native front (hyper, in the router's native "
+        "core), which makes the first try of a short plain generation request itself and hands the rest "
+        "to the Python app; the decision and every rule stay in Python either way",
+    )
     index_sync_timeout_seconds: float = Field(
         15.0,
         ge=0,

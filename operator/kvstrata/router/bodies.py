@@ -24,6 +24,10 @@ def _too_large(limit: int) -> BadRequest:
     return BadRequest(f"request body is larger than {limit} bytes", status=413, code="body_too_large")
 
 
+def body_timeout(timeout: float) -> BadRequest:
+    return BadRequest(f"the request body did not arrive within {timeout:g}s", status=408, code="body_timeout")
+
+
 def inflate(data: bytes, encoding: str, limit: int) -> bytes:
     """``data`` decoded, at most ``limit`` bytes of it, or :class:`BadRequest` (400 or 413)."""
     if encoding in _GZIP:
@@ -70,9 +74,7 @@ async def read_body(request: web.BaseRequest, *, limit: int, timeout: float) -> 
             async with asyncio.timeout(timeout):
                 raw = await request.read()
     except TimeoutError:
-        raise BadRequest(
-            f"the request body did not arrive within {timeout:g}s", status=408, code="body_timeout"
-        ) from None
+        raise body_timeout(timeout) from None
     except web.HTTPRequestEntityTooLarge:
         raise _too_large(limit) from None
     if encoding is None:

@@ -28,6 +28,7 @@ from pydantic import ValidationError
 from kvstrata.api.router_config import POLICIES, ROUTER_PORT, RouterSettings, StaticEndpoint
 from kvstrata.router.discovery import DiscoveryError
 from kvstrata.router.hashing import UnsupportedHashAlgo, check_algo
+from kvstrata.router.loop import new_loop
 from kvstrata.router.prompts import ChatTemplateError, LocalTokenizer, TokenizerLoadError
 
 log = logging.getLogger("kvstrata.router")
@@ -198,6 +199,24 @@ def collect_rarely() -> None:
     gc.set_threshold(_YOUNG_COLLECTION_ALLOCATIONS, middle, old)
 
 
+def _run_native(main: Any) -> None:
+    with asyncio.Runner(loop_factory=new_loop) as runner:
+        runner.run(main)
+
+
+def _runner(settings: RouterSettings) -> Any:
+    """How the router's event loop runs: uvloop, but for the native data plane, whose front shares the
+    loop's lock (router/loop.py)."""
+    if settings.data_plane == "native":
+        return _run_native
+    try:
+        import uvloop
+
+        return uvloop.run
+    except ImportError:  # uvloop is optional at runtime (e.g. on platforms without wheels)
+        return asyncio.run
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -219,13 +238,7 @@ def main(argv: list[str]) -> int:
         print(f"kvstrata router: {exc}", file=sys.stderr)
         return 2
     try:
-        import uvloop
-
-        runner: Any = uvloop.run
-    except ImportError:  # uvloop is optional at runtime (e.g. on platforms without wheels)
-        runner = asyncio.run
-    try:
-        runner(run(settings, args.host, args.port, tokenizer))
+        _runner(settings)(run(settings, args.host, args.port, tokenizer))
     except DiscoveryError as exc:
         print(f"kvstrata router: {exc}", file=sys.stderr)
         return 2

@@ -30,17 +30,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvstrata.router.admission import Claim, Grant
-from kvstrata.router.bodies import read_body
+from kvstrata.router.bodies import body_timeout, read_body
 from kvstrata.router.core import Decision, NoEndpoints, Router
 from kvstrata.router.errors import json_error, sse_error
 from kvstrata.router.outcomes import (
@@ -78,8 +79,10 @@ _HOP_BY_HOP = frozenset(
         "content-length",
     }
 )
+# The native front's token for a request whose tries Python goes on with (router/native_http.py).
+RESUME_HEADER = "x-kvstrata-resume"
 # The router reads response bodies (usage, SSE), so it asks engines for none it would have to decode.
-_REQ_DROP = _HOP_BY_HOP | {"accept-encoding"}
+_REQ_DROP = _HOP_BY_HOP | {"accept-encoding", RESUME_HEADER}
 # The upstream client does not decompress, so content-encoding travels with the untouched body.
 _RESP_DROP = _HOP_BY_HOP | {"date", "server"}
 _RETRYABLE_STATUS = 500
@@ -126,7 +129,7 @@ class _TooLarge(Exception):
 class _Call:
     """One client request on its way to the engines, the same for every try."""
 
-    request: web.Request
+    request: web.Request | None  # None while the native front carries it
     raw: bytes
     path: str
     headers: dict[str, str]
@@ -135,6 +138,74 @@ class _Call:
     grant: Grant
     claim: Claim | None = None  # the admission's claim, until the first try takes it over
     tries: int = 0  # sent so far (x-kvstrata-attempts, as Envoy's x-envoy-attempt-count)
+
+
+@dataclass(slots=True)
+class _TryState:
+    """Where a request's tries stand, so that Python can go on after a try the native front made."""
+
+    left: list[Endpoint]  # in the order they would be tried
+    give_up: float  # monotonic: no new round of tries after this
+    tried: set[str] = field(default_factory=set)
+    last: Failed | None = None
+    sent: int = 0  # tries the engines received (UNSENT ones are free)
+    rounds: int = 0
+
+
+@dataclass(slots=True)
+class _Try:
+    """One try on its way: what its end gives back."""
+
+    ep: Endpoint
+    claim: Claim | None
+    prefill: PrefillTicket
+    t0: float
+
+
+class Go(NamedTuple):
+    """The native front makes the first try on ``url`` (``handle`` names it when it reports back)."""
+
+    tag: str
+    handle: NativeTry
+    url: str
+    stream: bool
+    last: bool  # a 5xx answer is forwarded, not retried
+    headers: list[tuple[str, str]]  # the decision's, but for the attempt count and upstream time
+
+
+class Answer(NamedTuple):
+    """The native front answers the client with this."""
+
+    tag: str
+    status: int
+    body: bytes
+    headers: list[tuple[str, str]]
+
+
+class Resume(NamedTuple):
+    """The native front hands the request to the Python app with this token: Python goes on with it."""
+
+    tag: str
+    token: str
+
+
+Plan = Go | Answer | Resume
+
+
+def answer(resp: web.Response) -> Answer:
+    body = resp.body
+    assert isinstance(body, bytes)
+    headers = [(k, v) for k, v in resp.headers.items() if k.lower() != "content-length"]
+    return Answer("answer", resp.status, body, headers)
+
+
+@dataclass(slots=True)
+class NativeTry:
+    """A first try the native front makes, as Python's bookkeeping sees it."""
+
+    call: _Call
+    state: _TryState
+    attempt: _Try
 
 
 class Proxy:
@@ -147,6 +218,8 @@ class Proxy:
         self.metrics = router.metrics
         self.outlier = router.outlier
         self.block_size = s.block_size
+        # Requests the native front began and Python goes on with, by token (router/native_http.py).
+        self.resumable: dict[str, tuple[_Call, _TryState]] = {}
 
     # --- OpenAI generation endpoints ---------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -172,6 +245,9 @@ class Proxy:
         return json_error(503, str(exc), code="no_endpoints")
 
     async def _generate(self, request: web.Request, kind: Kind) -> web.StreamResponse:
+        token = request.headers.get(RESUME_HEADER)
+        if token is not None and (began := self.resumable.pop(token, None)) is not None:
+            return await self._resume(request, *began)
         try:
             raw, decoded = await self._read(request)
             args = (raw, kind, self.settings.model, self.settings.max_prompt_chars)
@@ -233,49 +309,71 @@ class Proxy:
             grant.claim,
         )
         try:
-            return await self._tries(call)
+            return await self._tries(call, self._try_state(call))
         finally:
             gate.release(call.claim)  # only if no try took it (a failure before the first)
 
-    async def _tries(self, call: _Call) -> web.StreamResponse:
-        decision = call.decision
-        budget = self.settings.max_retries + 1  # tries the engines received; UNSENT ones are free
-        give_up = time.monotonic() + self.settings.upstream_timeout_seconds
+    async def _resume(self, request: web.Request, call: _Call, state: _TryState) -> web.StreamResponse:
+        """Go on with a request the native front began (router/native_http.py)."""
+        call.request = request
+        call.headers = _request_headers(request, decoded=False)
+        try:
+            return await self._tries(call, state)
+        finally:
+            self.router.gate.release(call.claim)
+
+    def _try_state(self, call: _Call) -> _TryState:
         first = call.grant.endpoint
-        left = [first, *(ep for ep in decision.order if ep is not first)]
-        tried: set[str] = set()
-        last: Failed | None = None
-        sent = rounds = 0
-        while sent < budget:
-            if last is not None:
-                left = self.router.retry_order(decision, left)
-                if not left:  # every engine was tried, and tries are left: those still usable again
-                    rounds += 1
-                    left = await self._another_round(decision, rounds, give_up)
-                if not left:
+        return _TryState(
+            [first, *(ep for ep in call.decision.order if ep is not first)],
+            time.monotonic() + self.settings.upstream_timeout_seconds,
+        )
+
+    async def _tries(self, call: _Call, st: _TryState) -> web.StreamResponse:
+        decision = call.decision
+        while st.sent < self._budget:
+            if st.last is not None:
+                st.left = self.router.retry_order(decision, st.left)
+                if not st.left:  # every engine was tried, and tries are left: those still usable again
+                    st.rounds += 1
+                    st.left = await self._another_round(decision, st.rounds, st.give_up)
+                if not st.left:
                     break
-                self.metrics.retries.labels(last.kind.value).inc()
-            ep = left.pop(0)
-            # Last: no try left, or no endpoint left in rotation to retry on.
-            is_last = sent + 1 == budget or all(self.outlier.ejected(later) for later in left)
-            # A stream waits past its first-byte timeout when moving on could only reach engines that are
-            # out or silent (wedged but not yet ejected): patience.py.
-            patient = call.stream and (is_last or not self._any_live(left))
+                self.metrics.retries.labels(st.last.kind.value).inc()
+            ep, is_last, patient = self._next_try(call, st)
             result = await self._attempt(call, ep, is_last, patient)
             if isinstance(result, Answered):
                 return result.response
-            tried.add(ep.url)
-            last = result
-            if result.kind not in UNSENT:
-                sent += 1
-            log.info("try %d on %s failed: %s: %s", call.tries, ep.url, result.kind, result.detail)
-        assert last is not None  # a decision names at least one endpoint, and one try is always made
+            self._try_failed(call, st, ep, result)
+        assert st.last is not None  # a decision names at least one endpoint, and one try is always made
         return json_error(
             502,
-            f"{call.tries} {'try' if call.tries == 1 else 'tries'} on {len(tried)} endpoint(s) failed; "
-            f"last error: {last.kind}: {last.detail}",
+            f"{call.tries} {'try' if call.tries == 1 else 'tries'} on {len(st.tried)} endpoint(s) failed; "
+            f"last error: {st.last.kind}: {st.last.detail}",
             code="upstream_failed",
         )
+
+    @property
+    def _budget(self) -> int:
+        """Tries the engines may receive; UNSENT ones are free."""
+        return self.settings.max_retries + 1
+
+    def _next_try(self, call: _Call, st: _TryState) -> tuple[Endpoint, bool, bool]:
+        """The endpoint of the next try, whether it is the last, and whether it is patient."""
+        ep = st.left.pop(0)
+        # Last: no try left, or no endpoint left in rotation to retry on.
+        is_last = st.sent + 1 == self._budget or all(self.outlier.ejected(later) for later in st.left)
+        # A stream waits past its first-byte timeout when moving on could only reach engines that are
+        # out or silent (wedged but not yet ejected): patience.py.
+        patient = call.stream and (is_last or not self._any_live(st.left))
+        return ep, is_last, patient
+
+    def _try_failed(self, call: _Call, st: _TryState, ep: Endpoint, result: Failed) -> None:
+        st.tried.add(ep.url)
+        st.last = result
+        if result.kind not in UNSENT:
+            st.sent += 1
+        log.info("try %d on %s failed: %s: %s", call.tries, ep.url, result.kind, result.detail)
 
     async def _another_round(self, decision: Decision, round_no: int, give_up: float) -> list[Endpoint]:
         """The endpoints to try again once every one was tried and tries are left (connect failures
@@ -317,6 +415,18 @@ class Proxy:
     async def _attempt(self, call: _Call, ep: Endpoint, is_last: bool, patient: bool) -> AttemptResult:
         """One try on ``ep``: :class:`Answered` (the client has its response) or :class:`Failed`
         (nothing was sent; the caller may try the next endpoint)."""
+        t = self._start_try(call, ep)
+        outcome = Outcome.DISCONNECTED
+        try:
+            result, outcome = await self._exchange(call, ep, is_last, patient, t.t0, t.prefill)
+            return result
+        except asyncio.CancelledError:
+            outcome = Outcome.CLIENT_DISCONNECT
+            raise
+        finally:
+            self._end_try(call, t, outcome)
+
+    def _start_try(self, call: _Call, ep: Endpoint) -> _Try:
         decision = call.decision
         call.tries += 1
         if decision.committed is not ep:
@@ -327,25 +437,20 @@ class Proxy:
             claim = self.router.gate.claim(ep, decision, call.grant.output)
         ep.in_flight += 1
         prefill = PrefillTicket(ep, decision.uncached_tokens(ep, self.block_size))
-        t0 = time.perf_counter()
-        outcome = Outcome.DISCONNECTED
-        try:
-            result, outcome = await self._exchange(call, ep, is_last, patient, t0, prefill)
-            return result
-        except asyncio.CancelledError:
-            outcome = Outcome.CLIENT_DISCONNECT
-            raise
-        finally:
-            ep.in_flight -= 1
-            done = outcome in (Outcome.OK, Outcome.STREAM_OK)
-            self.router.gate.release(claim, ended=done)
-            self._prefill_over(prefill, decision, ep)
-            self.metrics.request_done(ep.url, outcome, time.perf_counter() - t0 if done else None)
-            fault = ENGINE_FAULTS.get(outcome)
-            if fault is not None:
-                self.outlier.failure(ep, fault)
-            elif outcome is not Outcome.CLIENT_DISCONNECT and outcome is not Outcome.EJECTED:
-                self.outlier.success(ep)
+        return _Try(ep, claim, prefill, time.perf_counter())
+
+    def _end_try(self, call: _Call, t: _Try, outcome: Outcome) -> None:
+        ep = t.ep
+        ep.in_flight -= 1
+        done = outcome in (Outcome.OK, Outcome.STREAM_OK)
+        self.router.gate.release(t.claim, ended=done)
+        self._prefill_over(t.prefill, call.decision, ep)
+        self.metrics.request_done(ep.url, outcome, time.perf_counter() - t.t0 if done else None)
+        fault = ENGINE_FAULTS.get(outcome)
+        if fault is not None:
+            self.outlier.failure(ep, fault)
+        elif outcome is not Outcome.CLIENT_DISCONNECT and outcome is not Outcome.EJECTED:
+            self.outlier.success(ep)
 
     async def _exchange(
         self, call: _Call, ep: Endpoint, is_last: bool, patient: bool, t0: float, prefill: PrefillTicket
@@ -365,6 +470,7 @@ class Proxy:
                         if patient
                         else nullcontext(),
                     ):
+                        assert call.request is not None  # Python's tries are served by its app
                         resp = await self.upstream.request(
                             ep.url, call.request.method, call.path, call.headers, call.raw
                         )
@@ -387,15 +493,11 @@ class Proxy:
                 if stream:
                     return self._failed(FailureKind.FIRST_BYTE_TIMEOUT, ep, exc)
                 # The whole budget is spent: no time left to retry.
-                msg = f"{ep.url} did not answer within {deadline:g}s"
-                return Answered(json_error(504, msg, code="upstream_timeout")), Outcome.RESPONSE_TIMEOUT
+                return Answered(self._response_timeout(ep)), Outcome.RESPONSE_TIMEOUT
             except Disconnected as exc:
                 return self._failed(FailureKind.DISCONNECTED, ep, exc)
             except _TooLarge:
-                msg = f"{ep.url} answered more than maxResponseBytes ({s.max_response_bytes}) bytes"
-                return Answered(
-                    json_error(502, msg, code="upstream_response_too_large")
-                ), Outcome.RESPONSE_TOO_LARGE
+                return Answered(self._response_too_large(ep)), Outcome.RESPONSE_TOO_LARGE
             if stream and resp.status == 200:
                 return await self._stream(call, resp, first, ep, t0, prefill)
             out = web.Response(status=resp.status, body=body, headers=_response_headers(resp))
@@ -408,6 +510,14 @@ class Proxy:
         finally:
             if resp is not None:
                 resp.release()
+
+    def _response_timeout(self, ep: Endpoint) -> web.Response:
+        msg = f"{ep.url} did not answer within {self.settings.upstream_timeout_seconds:g}s"
+        return json_error(504, msg, code="upstream_timeout")
+
+    def _response_too_large(self, ep: Endpoint) -> web.Response:
+        msg = f"{ep.url} answered more than maxResponseBytes ({self.settings.max_response_bytes}) bytes"
+        return json_error(502, msg, code="upstream_response_too_large")
 
     def _failed(self, kind: FailureKind, ep: Endpoint, exc: BaseException) -> tuple[AttemptResult, Outcome]:
         return Failed(kind, f"{ep.url}: {exc!r}"), Outcome.of(kind)
@@ -445,15 +555,12 @@ class Proxy:
         if not first:
             kind = FailureKind.DISCONNECTED
             return Failed(kind, f"{ep.url} ended the stream before its first byte"), Outcome.of(kind)
-        decision = call.decision
-        self._prefill_over(prefill, decision, ep, time.perf_counter() - t0)  # the first token is out
-        self.metrics.child(self.metrics.ttft, ep.url).observe(time.perf_counter() - t0)
+        self._stream_started(call, ep, t0, prefill)
         out = web.StreamResponse(status=resp.status, headers=_response_headers(resp))
         out.headers.update(self._decision_headers(call, ep, t0))
-        if decision.hashes:
-            self.metrics.predicted_cached_tokens.inc(decision.predicted_cached_tokens(ep, self.block_size))
         idle = self.settings.stream_idle_timeout_seconds
         chunk = first
+        assert call.request is not None
         try:
             await out.prepare(call.request)
         except ConnectionError:
@@ -477,13 +584,25 @@ class Proxy:
             return Answered(out), Outcome.CLIENT_DISCONNECT
         return Answered(out), Outcome.STREAM_OK
 
+    def _stream_started(self, call: _Call, ep: Endpoint, t0: float, prefill: PrefillTicket) -> None:
+        decision = call.decision
+        self._prefill_over(prefill, decision, ep, time.perf_counter() - t0)  # the first token is out
+        self.metrics.child(self.metrics.ttft, ep.url).observe(time.perf_counter() - t0)
+        if decision.hashes:
+            self.metrics.predicted_cached_tokens.inc(decision.predicted_cached_tokens(ep, self.block_size))
+
+    def _stream_broke(self, ep: Endpoint, why: str, outcome: Outcome) -> bytes:
+        """The SSE event that ends a stream that broke after it started."""
+        log.warning("stream from %s broke after it started (%s); not replaying", ep.url, why)
+        code = "upstream_idle_timeout" if outcome is Outcome.STREAM_IDLE_TIMEOUT else "upstream_failed"
+        return sse_error(f"upstream {ep.url} failed mid-stream: {why}", code)
+
     async def _abort(
         self, out: web.StreamResponse, ep: Endpoint, why: str, outcome: Outcome
     ) -> tuple[AttemptResult, Outcome]:
-        log.warning("stream from %s broke after it started (%s); not replaying", ep.url, why)
-        code = "upstream_idle_timeout" if outcome is Outcome.STREAM_IDLE_TIMEOUT else "upstream_failed"
+        event = self._stream_broke(ep, why, outcome)
         try:
-            await out.write(sse_error(f"upstream {ep.url} failed mid-stream: {why}", code))
+            await out.write(event)
             await out.write_eof()
         except (ConnectionError, RuntimeError):
             pass
@@ -505,6 +624,89 @@ class Proxy:
         if actual is not None:
             self.metrics.actual_cached_tokens.inc(actual)
             self.metrics.actual_cached_reports.inc()
+
+    # --- the native front's calls (router/native_http.py; each under the router lock) ----------------
+    async def plan(self, kind: Kind, path: str, raw: bytes, session_id: str | None) -> Plan:
+        """What the native front does with a generation request it read: :meth:`_generate` and
+        :meth:`_forward` up to the first try, which the front makes unless it is patient (that wait is
+        Python's, patience.py). The body is small and plain (the front sends others to the app)."""
+        s = self.settings
+        try:
+            parsed = parse_request(raw, kind, s.model, s.max_prompt_chars)
+        except BadRequest as exc:
+            return answer(self._refuse(exc))
+        try:
+            decision = await self.router.decide(parsed, session_id)
+        except (NoEndpoints, AllEjected) as exc:
+            return answer(self._no_endpoints(exc))
+        grant = await self.router.gate.admit(decision, parsed.output_tokens())
+        if decision.routed:
+            self.metrics.admitted(grant.how, grant.held_s)
+        call = _Call(None, raw, path, {}, decision, parsed.stream, grant, grant.claim)
+        st = self._try_state(call)
+        ep, is_last, patient = self._next_try(call, st)
+        if patient:
+            st.left.insert(0, ep)
+            return self._keep(call, st)
+        t = self._start_try(call, ep)
+        headers = self._decision_headers(call, ep, t.t0)
+        del headers["x-kvstrata-attempts"], headers["x-kvstrata-upstream-ms"]  # the front's to say
+        return Go("go", NativeTry(call, st, t), ep.url, call.stream, is_last, list(headers.items()))
+
+    def _keep(self, call: _Call, st: _TryState) -> Resume:
+        token = secrets.token_urlsafe(18)
+        self.resumable[token] = (call, st)
+        return Resume("resume", token)
+
+    def first_byte(self, nt: NativeTry) -> None:
+        """A native try's stream sent its first byte."""
+        t = nt.attempt
+        t.ep.streamed_at = time.monotonic()
+        self._stream_started(nt.call, t.ep, t.t0, t.prefill)
+
+    def heard(self, nt: NativeTry) -> None:
+        """A native try's stream is moving (patience.py reads it)."""
+        nt.attempt.ep.streamed_at = time.monotonic()
+
+    def done(self, nt: NativeTry, outcome: Outcome, body: bytes | None) -> None:
+        """A native try ended with ``outcome``; ``body``: a whole answer the client got."""
+        t = nt.attempt
+        if body is not None:
+            t.ep.streamed_at = time.monotonic()
+            if nt.call.decision.hashes:
+                self._observe_cached(nt.call.decision, t.ep, body)
+        self._end_try(nt.call, t, outcome)
+
+    def failed(self, nt: NativeTry, kind: FailureKind, detail: str) -> Resume:
+        """A native try failed before anything reached the client: Python goes on with the request."""
+        call, t = nt.call, nt.attempt
+        if kind is FailureKind.CONNECT_ERROR:
+            self.router.mark_down(t.ep)
+        self._end_try(call, t, Outcome.of(kind))
+        self._try_failed(call, nt.state, t.ep, Failed(kind, detail))
+        return self._keep(call, nt.state)
+
+    def broke(self, nt: NativeTry, outcome: Outcome, detail: str) -> Answer | bytes:
+        """A native try ended in a way the client hears of: the response, or a stream's last event."""
+        t = nt.attempt
+        self._end_try(nt.call, t, outcome)
+        if outcome is Outcome.RESPONSE_TIMEOUT:
+            return answer(self._response_timeout(t.ep))
+        if outcome is Outcome.RESPONSE_TOO_LARGE:
+            return answer(self._response_too_large(t.ep))
+        if outcome is Outcome.STREAM_IDLE_TIMEOUT:
+            detail = f"no data for {self.settings.stream_idle_timeout_seconds:g}s"
+        return self._stream_broke(t.ep, detail, outcome)
+
+    def abandon(self, token: str) -> None:
+        """The client left before the app took the request over: give back its admission."""
+        began = self.resumable.pop(token, None)
+        if began is not None:
+            self.router.gate.release(began[0].claim)
+
+    def body_timeout(self) -> Answer:
+        s = self.settings
+        return answer(self._refuse(body_timeout(s.body_read_timeout_seconds)))
 
     # --- the router's own endpoints --------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
@@ -597,11 +799,15 @@ async def _admin_only(request: web.Request) -> web.Response:
     return json_error(404, "/kvstrata/state is served on the router's admin port", code="admin_only")
 
 
+PROXY_KEY: web.AppKey[Proxy] = web.AppKey("proxy", Proxy)
+
+
 def build_app(router: Router, upstream: Upstream) -> web.Application:
     """The public app; with ``adminPort`` set, /kvstrata/state lives only on :func:`build_admin_app`."""
     proxy = Proxy(router, upstream)
     app = web.Application(client_max_size=router.settings.max_body_bytes, middlewares=[openai_errors])
     app[ROUTER_KEY] = router
+    app[PROXY_KEY] = proxy
     app.router.add_post("/v1/completions", proxy.completions)
     app.router.add_post("/v1/chat/completions", proxy.chat)
     app.router.add_get("/health", proxy.health)

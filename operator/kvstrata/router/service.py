@@ -31,6 +31,7 @@ from kvstrata.router.discovery import (
 from kvstrata.router.httplog import MalformedHttpFilter
 from kvstrata.router.loadscrape import LoadScraper
 from kvstrata.router.metrics import RouterMetrics
+from kvstrata.router.native_http import NativeFront
 from kvstrata.router.pool import Endpoint, EndpointSpec
 from kvstrata.router.prompts import LocalTokenizer
 from kvstrata.router.proxy import build_admin_app, build_app
@@ -63,6 +64,7 @@ class RouterService:
         self.watcher: EndpointSliceWatcher | None = None
         self.app: web.Application | None = None
         self._runner: web.AppRunner | None = None
+        self.front: NativeFront | None = None  # dataPlane: native
         self._admin_runner: web.AppRunner | None = None
         self._http_filter = MalformedHttpFilter(self.metrics.malformed_http)
         self._stopping: list[asyncio.Task[None]] = []
@@ -194,8 +196,15 @@ class RouterService:
             logger=self._http_filter.logger(),
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, backlog=4096)
-        await site.start()
+        if s.data_plane == "native":
+            # The app answers on a loopback port what the native front hands it (router/native_http.py).
+            site = web.TCPSite(self._runner, "127.0.0.1", 0, backlog=4096)
+            await site.start()
+            loopback = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            self.front = NativeFront(self.app, s, host, port, loopback)
+        else:
+            site = web.TCPSite(self._runner, host, port, backlog=4096)
+            await site.start()
         if s.admin_port is not None and self.router is not None and self.upstream is not None:
             self._admin_runner = web.AppRunner(
                 build_admin_app(self.router, self.upstream),
@@ -207,6 +216,8 @@ class RouterService:
         return self._runner
 
     async def stop(self) -> None:
+        if self.front is not None:
+            await self.front.stop()
         if self._runner is not None:
             await self._runner.cleanup()
         if self._admin_runner is not None:

@@ -18,6 +18,7 @@ from aiohttp import web
 
 from kvstrata.api.router_config import RouterSettings
 from kvstrata.router.hashing import char_block_hashes
+from kvstrata.router.loop import shares_lock
 from kvstrata.router.service import RouterService
 
 MODEL = "tiny"
@@ -137,6 +138,8 @@ async def make_router() -> AsyncIterator[RouterFactory]:
                 "blockSize": 32,
                 "remoteTokenize": False,
                 "discovery": {"static": [{"url": u} for u in urls]},
+                # The plane the test's loop serves (tests/unit/router/conftest.py).
+                "dataPlane": "native" if shares_lock(asyncio.get_running_loop()) else "python",
                 **overrides,
             }
         )
