@@ -55,6 +55,9 @@ KVSTRATA_VARIANTS: dict[str, dict[str, str]] = {
     "no-steal": {"KVSTRATA_ROUTER_ADMISSION": '{"stealWhenHomeHoldsNoMore": false}'},
     # The share bound (off by default) at the factor it was built with.
     "share-bound": {"KVSTRATA_ROUTER_SHARE_BOUND_FACTOR": "1.3"},
+    # The Python app alone serving HTTP (dataPlane: python), as before the native front became the
+    # default (forty-first session): the same decisions.
+    "python-http": {"KVSTRATA_ROUTER_DATA_PLANE": "python"},
 }
 # `<router>@rerun`, for any router: the same router again in the same draw (an A/A pair). What two runs
 # of one router differ by is the yardstick for a per-draw difference between two routers.

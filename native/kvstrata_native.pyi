@@ -65,3 +65,35 @@ class Encoder:
     def full_ids(self, text: str) -> list[int]: ...
     def chunked_ids(self, text: str, step: int | None = None) -> list[int]: ...
     def stats(self) -> tuple[int, int, int]: ...
+
+class Reply:
+    """The answer to a ``begin`` that had to wait, sent from the event loop's thread."""
+
+    def send(self, plan: object) -> None: ...
+
+class Front:
+    """The router's native HTTP front (src/front.rs; router/native_http.py drives it)."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        loopback_port: int,
+        handler: object,
+        *,
+        session_header: str | None,
+        fast_body_bytes: int,
+        body_read_timeout: float,
+        header_read_timeout: float,
+        connect_timeout: float,
+        first_byte_timeout: float,
+        upstream_timeout: float,
+        stream_idle_timeout: float,
+        max_response_bytes: int,
+        max_connections: int,
+    ) -> None: ...
+    @property
+    def port(self) -> int: ...
+    def serve(self) -> None: ...
+    def stop(self) -> None: ...
+    def eject(self, url: str) -> None: ...

@@ -36,9 +36,9 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
-use pyo3::intern;
 use tokio::sync::{oneshot, Notify, OwnedSemaphorePermit, Semaphore};
 
 /// The header that tells the Python app to go on with a request this side began.
@@ -120,18 +120,14 @@ enum Plan {
     Resume { token: String },
 }
 
+/// proxy.py's ``Go``: (tag, handle, url, stream, last, headers).
+type GoTuple = (String, Py<PyAny>, String, bool, bool, Vec<(String, String)>);
+
 fn plan_of(obj: &Bound<'_, PyAny>) -> PyResult<Plan> {
     let tag: String = obj.get_item(0)?.extract()?;
     match tag.as_str() {
         "go" => {
-            let (_, handle, url, stream, last, headers): (
-                String,
-                Py<PyAny>,
-                String,
-                bool,
-                bool,
-                Vec<(String, String)>,
-            ) = obj.extract()?;
+            let (_, handle, url, stream, last, headers): GoTuple = obj.extract()?;
             Ok(Plan::Go {
                 handle,
                 url,
@@ -218,7 +214,9 @@ type Resp = Response<RespBody>;
 type LoopBody = BoxBody<Bytes, hyper::Error>;
 
 fn empty() -> LoopBody {
-    Empty::<Bytes>::new().map_err(|never| match never {}).boxed()
+    Empty::<Bytes>::new()
+        .map_err(|never| match never {})
+        .boxed()
 }
 
 struct Inner {
@@ -246,7 +244,10 @@ fn json_response(status: StatusCode, body: Bytes, headers: &[(String, String)]) 
 
 fn add_headers(h: &mut HeaderMap, headers: &[(String, String)]) {
     for (k, v) in headers {
-        if let (Ok(k), Ok(v)) = (HeaderName::try_from(k.as_str()), HeaderValue::try_from(v.as_str())) {
+        if let (Ok(k), Ok(v)) = (
+            HeaderName::try_from(k.as_str()),
+            HeaderValue::try_from(v.as_str()),
+        ) {
             if k != hyper::header::CONTENT_LENGTH {
                 h.insert(k, v);
             }
@@ -301,7 +302,12 @@ fn classify(url: &str, e: &hyper_util::client::legacy::Error) -> Fail {
 
 impl Inner {
     /// ``handler.<name>(*args)`` with the GIL; a Python error is printed and returned as ``None``.
-    fn call<'py, A>(&self, py: Python<'py>, name: &Bound<'py, pyo3::types::PyString>, args: A) -> Option<Bound<'py, PyAny>>
+    fn call<'py, A>(
+        &self,
+        py: Python<'py>,
+        name: &Bound<'py, pyo3::types::PyString>,
+        args: A,
+    ) -> Option<Bound<'py, PyAny>>
     where
         A: pyo3::call::PyCallArgs<'py>,
     {
@@ -316,7 +322,9 @@ impl Inner {
 
     fn ejection(&self, url: &str) -> Arc<Notify> {
         let mut map = self.ejections.lock().unwrap_or_else(|e| e.into_inner());
-        map.entry(url.to_owned()).or_insert_with(|| Arc::new(Notify::new())).clone()
+        map.entry(url.to_owned())
+            .or_insert_with(|| Arc::new(Notify::new()))
+            .clone()
     }
 
     async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Result<Resp, Infallible> {
@@ -353,9 +361,15 @@ impl Inner {
                         .and_then(|p| plan_of(&p).map_err(|e| e.print(py)).ok())
                 });
                 return Ok(match plan {
-                    Some(Plan::Answer { status, body, headers }) => {
-                        json_response(StatusCode::from_u16(status).unwrap_or(StatusCode::REQUEST_TIMEOUT), body, &headers)
-                    }
+                    Some(Plan::Answer {
+                        status,
+                        body,
+                        headers,
+                    }) => json_response(
+                        StatusCode::from_u16(status).unwrap_or(StatusCode::REQUEST_TIMEOUT),
+                        body,
+                        &headers,
+                    ),
                     _ => router_error("the request body timed out"),
                 });
             }
@@ -377,11 +391,23 @@ impl Inner {
         let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
         let (tx, rx) = oneshot::channel();
         let (now, reply) = Python::attach(|py| {
-            let reply = Py::new(py, Reply { tx: Mutex::new(Some(tx)) }).ok()?;
+            let reply = Py::new(
+                py,
+                Reply {
+                    tx: Mutex::new(Some(tx)),
+                },
+            )
+            .ok()?;
             let got = self.call(
                 py,
                 intern!(py, "begin"),
-                (kind, path, PyBytes::new(py, body), session, reply.clone_ref(py)),
+                (
+                    kind,
+                    path,
+                    PyBytes::new(py, body),
+                    session,
+                    reply.clone_ref(py),
+                ),
             )?;
             if got.is_none() {
                 return Some((None, reply));
@@ -403,7 +429,11 @@ impl Inner {
 
     async fn follow(self: &Arc<Self>, plan: Plan, parts: Parts, body: Bytes) -> Resp {
         match plan {
-            Plan::Answer { status, body, headers } => json_response(
+            Plan::Answer {
+                status,
+                body,
+                headers,
+            } => json_response(
                 StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
                 body,
                 &headers,
@@ -415,7 +445,10 @@ impl Inner {
                 stream,
                 last,
                 headers,
-            } => self.go(&parts, body, handle, url, stream, last, headers).await,
+            } => {
+                self.go(&parts, body, handle, url, stream, last, headers)
+                    .await
+            }
         }
     }
 
@@ -437,17 +470,31 @@ impl Inner {
         };
         let t0 = Instant::now();
         let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
-        let mut up = Request::builder().method(parts.method.clone()).uri(format!("{url}{path}"));
+        let mut up = Request::builder()
+            .method(parts.method.clone())
+            .uri(format!("{url}{path}"));
         if let Some(h) = up.headers_mut() {
             for (k, v) in &parts.headers {
                 if !dropped_upstream(k) {
                     h.append(k.clone(), v.clone());
                 }
             }
-            h.insert(hyper::header::ACCEPT_ENCODING, HeaderValue::from_static("identity"));
+            h.insert(
+                hyper::header::ACCEPT_ENCODING,
+                HeaderValue::from_static("identity"),
+            );
         }
         let Ok(req) = up.body(Full::new(body)) else {
-            return self.end_failed(parts, guard, Fail { kind: "connect_error", detail: format!("{url}: not a valid URL") }).await;
+            return self
+                .end_failed(
+                    parts,
+                    guard,
+                    Fail {
+                        kind: "connect_error",
+                        detail: format!("{url}: not a valid URL"),
+                    },
+                )
+                .await;
         };
         let deadline = if stream {
             self.limits.first_byte_timeout
@@ -465,7 +512,11 @@ impl Inner {
                 kind: "connect_error",
                 detail: "the router is stopping".into(),
             })?;
-            let resp = self.client.request(req).await.map_err(|e| classify(&url, &e))?;
+            let resp = self
+                .client
+                .request(req)
+                .await
+                .map_err(|e| classify(&url, &e))?;
             let status = resp.status();
             if status.as_u16() >= 500 && !last {
                 return Err(Fail {
@@ -527,7 +578,9 @@ impl Inner {
         };
         let upstream_ms = || t0.elapsed().as_millis().to_string();
         match got {
-            Err(fail) if fail.kind == "response_timeout" => self.broke(guard, "response_timeout", &fail.detail),
+            Err(fail) if fail.kind == "response_timeout" => {
+                self.broke(guard, "response_timeout", &fail.detail)
+            }
             Err(fail) => self.end_failed(parts, guard, fail).await,
             Ok((Got::TooLarge, _)) => self.broke(guard, "response_too_large", ""),
             Ok((Got::Whole(rparts, body), _permit)) => {
@@ -546,7 +599,11 @@ impl Inner {
                 add_attempt_headers(out.headers_mut(), &upstream_ms());
                 let handle = guard.handle.take();
                 Python::attach(|py| {
-                    self.call(py, intern!(py, "done"), (handle, outcome, PyBytes::new(py, &body)));
+                    self.call(
+                        py,
+                        intern!(py, "done"),
+                        (handle, outcome, PyBytes::new(py, &body)),
+                    );
                 });
                 *out.body_mut() = RespBody::Whole(Some(body));
                 out
@@ -591,7 +648,11 @@ impl Inner {
             // The body is Python's to resend (it kept it): the app is sent the request line, the
             // headers and the token.
             Some(Plan::Resume { token }) => self.forward(parts, empty(), Some(token)).await,
-            Some(Plan::Answer { status, body, headers }) => json_response(
+            Some(Plan::Answer {
+                status,
+                body,
+                headers,
+            }) => json_response(
                 StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY),
                 body,
                 &headers,
@@ -608,7 +669,11 @@ impl Inner {
                 .and_then(|p| plan_of(&p).map_err(|e| e.print(py)).ok())
         });
         match plan {
-            Some(Plan::Answer { status, body, headers }) => json_response(
+            Some(Plan::Answer {
+                status,
+                body,
+                headers,
+            }) => json_response(
                 StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY),
                 body,
                 &headers,
@@ -618,14 +683,21 @@ impl Inner {
     }
 
     /// A request to the loopback app, streamed both ways; with a token, Python goes on with it.
-    async fn forward(self: &Arc<Self>, parts: &Parts, body: LoopBody, token: Option<String>) -> Resp {
+    async fn forward(
+        self: &Arc<Self>,
+        parts: &Parts,
+        body: LoopBody,
+        token: Option<String>,
+    ) -> Resp {
         let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
         let mut up = Request::builder()
             .method(parts.method.clone())
             .uri(format!("{}{}", self.loopback_base, path));
         if let Some(h) = up.headers_mut() {
             for (k, v) in &parts.headers {
-                if !hop_by_hop(k) && !(token.is_some() && k == hyper::header::CONTENT_LENGTH) {
+                // With a token the body is empty: the app kept the request's own.
+                let length = k == hyper::header::CONTENT_LENGTH;
+                if !(hop_by_hop(k) || token.is_some() && length) {
                     h.append(k.clone(), v.clone());
                 }
             }
@@ -752,7 +824,11 @@ struct Relay {
 const HEARD_EVERY: Duration = Duration::from_millis(500);
 
 impl Relay {
-    fn abort(&mut self, outcome: &str, detail: String) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+    fn abort(
+        &mut self,
+        outcome: &str,
+        detail: String,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
         self.done = true;
         let handle = self.handle.take();
         let event = Python::attach(|py| {
@@ -892,7 +968,10 @@ impl Front {
             Ok(socket.try_clone()?.into())
         };
         let listener = bind().map_err(|e| PyOSError::new_err(format!("{addr}: {e}")))?;
-        let port = listener.local_addr().map_err(|e| PyOSError::new_err(e.to_string()))?.port();
+        let port = listener
+            .local_addr()
+            .map_err(|e| PyOSError::new_err(e.to_string()))?
+            .port();
         let secs = Duration::from_secs_f64;
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(secs(connect_timeout)));
@@ -948,7 +1027,9 @@ impl Front {
         let inner = self.inner.clone();
         let stop = self.stop.clone();
         py.detach(move || {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
             rt.block_on(run(listener, inner, stop))
         })
         .map_err(|e| PyOSError::new_err(e.to_string()))
@@ -961,14 +1042,22 @@ impl Front {
 
     /// Cuts the first-byte waits of tries on ``url`` (it was ejected): they fail as ``ejected``.
     fn eject(&self, url: &str) {
-        let map = self.inner.ejections.lock().unwrap_or_else(|e| e.into_inner());
+        let map = self
+            .inner
+            .ejections
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         if let Some(n) = map.get(url) {
             n.notify_waiters();
         }
     }
 }
 
-async fn run(listener: std::net::TcpListener, inner: Arc<Inner>, stop: Arc<Notify>) -> std::io::Result<()> {
+async fn run(
+    listener: std::net::TcpListener,
+    inner: Arc<Inner>,
+    stop: Arc<Notify>,
+) -> std::io::Result<()> {
     let listener = tokio::net::TcpListener::from_std(listener)?;
     let header_read = inner.limits.header_read_timeout;
     loop {
@@ -991,7 +1080,11 @@ async fn run(listener: std::net::TcpListener, inner: Arc<Inner>, stop: Arc<Notif
                 if e.is_parse() || e.is_parse_too_large() {
                     // hyper answered 400 (431 for a head too large); counted under the Python app's
                     // names for the same refusals.
-                    let error = if e.is_parse_too_large() { "LineTooLong" } else { "BadHttpMessage" };
+                    let error = if e.is_parse_too_large() {
+                        "LineTooLong"
+                    } else {
+                        "BadHttpMessage"
+                    };
                     Python::attach(|py| {
                         inner.call(py, intern!(py, "malformed"), (error,));
                     });

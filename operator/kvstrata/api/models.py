@@ -14,6 +14,8 @@ from pydantic.config import JsonDict
 
 from kvstrata.api.quantity import Quantity
 from kvstrata.api.router_config import (
+    DATA_PLANE_HELP,
+    DEFAULT_DATA_PLANE,
     DEFAULT_HASH_ALGO,
     DEFAULT_POLICY,
     ENGINE_PORT,
@@ -23,6 +25,7 @@ from kvstrata.api.router_config import (
     WEIGHT_LOAD,
     WEIGHT_PREFILL,
     WEIGHT_PREFIX,
+    DataPlane,
     HashAlgo,
 )
 from kvstrata.api.router_config import Policy as RoutingPolicy
@@ -406,6 +409,7 @@ class RouterSpec(Wire):
     timeouts: RouterTimeouts = Field(default_factory=RouterTimeouts)
     ejection: RouterEjection = Field(default_factory=RouterEjection)
     admission: RouterAdmission = Field(default_factory=RouterAdmission)
+    data_plane: DataPlane = Field(DEFAULT_DATA_PLANE, description=DATA_PLANE_HELP)
 
 
 class InferenceClusterSpec(Wire):

@@ -343,6 +343,7 @@ def router_settings(name: str, namespace: str, spec: InferenceClusterSpec, plan:
         hash_algo=spec.kv_cache.hash_algo,
         kv_events_topic=KV_EVENTS_TOPIC,
         policy=spec.router.policy,
+        data_plane=spec.router.data_plane,
         weights=Weights(prefill=w.prefill, prefix=w.prefix, load=w.load, kv_usage=w.kv_usage),
         queue_weight=w.queue,
         tier_weights=_tier_weights(spec),

@@ -270,6 +270,7 @@ class Gate:
         self._pinned_kept: dict[str, _Pinned] = {}
         self._held_at: dict[Endpoint, list[_Waiter]] = {}  # held requests by home, in arrival order
         self._recheck: asyncio.TimerHandle | None = None
+        self._room_ends: asyncio.TimerHandle | None = None  # see _pass_when_a_room_ends
         self._passes = 0  # pump passes so far: a waiter's costs are weighed once per pass
         # During a pass: the URLs in rotation, and the running claims' keys as the pass began of the
         # engines whose claims it has changed (a cost asked late in a pass is the cost at its start).
@@ -364,10 +365,7 @@ class Gate:
             claim.endpoint.url,
             window,
         )
-        # When the window ends the room is back: admit into it. (Without a running loop, in a unit test,
-        # the held requests' own rechecks find the reservation expired.)
-        with contextlib.suppress(RuntimeError):
-            asyncio.get_running_loop().call_later(window, self.pump)
+        self._pass_when_a_room_ends()
 
     def _pin(self, c: Claim) -> None:
         self._freeze(c.endpoint.url)
@@ -501,6 +499,7 @@ class Gate:
         )
         self.pump()
         self._recheck_later()
+        self._pass_when_a_room_ends()
         try:
             while not waiter.future.done():
                 now = time.monotonic()
@@ -553,6 +552,32 @@ class Gate:
         mine.remove(waiter)
         if not mine:
             del self._held_at[waiter.home]
+
+    def _pass_when_a_room_ends(self) -> None:
+        """When a kept room's window ends the room is back: admit into it. A pass at the end of each
+        window while any request is held, as one timer for the earliest (not one per room: at thousands
+        of requests a second, that was a timer, and a wake of the event loop, per request; none is
+        needed while nothing is held, and a request held later arms it). Without a running loop, in a
+        unit test, the held requests' own rechecks find the room expired."""
+        if self._room_ends is not None or not self._held_at:
+            return
+        now = time.monotonic()
+        ends = min(
+            (next((r.until for r in rs if r.until > now), math.inf) for rs in self._reserved.values()),
+            default=math.inf,
+        )
+        if ends == math.inf:
+            return
+        with contextlib.suppress(RuntimeError):
+            loop = asyncio.get_running_loop()
+            self._room_ends = loop.call_at(loop.time() + (ends - now), self._room_ended)
+
+    def _room_ended(self) -> None:
+        self._room_ends = None
+        try:
+            self.pump()
+        finally:
+            self._pass_when_a_room_ends()
 
     def _recheck_later(self) -> None:
         """One look at every held request in ``_RECHECK_S``, and again after it while any is held."""

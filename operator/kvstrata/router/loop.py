@@ -14,11 +14,11 @@ import asyncio
 import selectors
 import threading
 from collections.abc import Iterator
-from typing import Any
 from contextlib import contextmanager
+from typing import Any
 
 
-class _LockingSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
+class _LockingSelector(selectors.DefaultSelector):
     """The loop's selector: the lock is the loop thread's except while it waits for I/O."""
 
     def __init__(self) -> None:
@@ -29,7 +29,7 @@ class _LockingSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-ty
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
         self.lock.release()
         try:
-            return super().select(timeout)  # type: ignore[no-any-return]
+            return super().select(timeout)
         finally:
             self.lock.acquire()
 
@@ -48,16 +48,17 @@ class RouterLock:
     """Runs another thread's calls into the router as if they were callbacks of ``loop``."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        if not shares_lock(loop):
+        if not isinstance(loop, asyncio.SelectorEventLoop) or not shares_lock(loop):
             raise RuntimeError(
                 "the native data plane needs the router's event loop from kvstrata.router.loop.new_loop"
             )
-        self._lock: threading.Lock = getattr(loop, "_selector").lock
+        selector: _LockingSelector = loop._selector  # type: ignore[attr-defined]
+        self._lock = selector.lock
         self.loop = loop
         # asyncio's private queues: only their lengths are read, to wake the loop when a call scheduled
         # something (a future's callbacks, a timer) that its wait in select would otherwise sleep past.
-        self._ready: Any = getattr(loop, "_ready")
-        self._scheduled: Any = getattr(loop, "_scheduled")
+        self._ready: Any = loop._ready  # type: ignore[attr-defined]
+        self._scheduled: Any = loop._scheduled  # type: ignore[attr-defined]
 
     def enter_thread(self) -> None:
         """Makes ``loop`` the calling thread's running loop, for the router code that asks for it."""
@@ -66,7 +67,11 @@ class RouterLock:
     @contextmanager
     def held(self) -> Iterator[None]:
         with self._lock:
-            ready, scheduled = len(self._ready), len(self._scheduled)
+            ready = len(self._ready)
+            scheduled = self._scheduled
+            first = scheduled[0].when() if scheduled else None
             yield
-            if len(self._ready) != ready or len(self._scheduled) != scheduled:
+            # The loop sleeps until its earliest timer: wake it only for a callback to run now, or a
+            # timer earlier than that one (a request's end schedules one; most end with one pending).
+            if len(self._ready) != ready or (scheduled and (first is None or scheduled[0].when() < first)):
                 self.loop._write_to_self()  # type: ignore[attr-defined]

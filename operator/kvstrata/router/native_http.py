@@ -19,9 +19,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Coroutine, Generator
 from asyncio.tasks import _enter_task, _leave_task  # the current task, for a step run off the loop
-from typing import Any
+from collections.abc import Coroutine, Generator
+from typing import Any, cast
 
 from aiohttp import web
 
@@ -109,7 +109,7 @@ class NativeHttp:
         with self.lock.held():
             coro = self.proxy.plan(kind, path, body, session)
             standin = _StandIn(loop)
-            _enter_task(loop, standin)
+            _enter_task(loop, cast(asyncio.Task[None], standin))
             try:
                 pending = coro.send(None)
             except StopIteration as done:
@@ -119,7 +119,7 @@ class NativeHttp:
                 log.exception("deciding a request failed")
                 return _internal_error()
             finally:
-                _leave_task(loop, standin)
+                _leave_task(loop, cast(asyncio.Task[None], standin))
             task = loop.create_task(self._finish(_Adopted(coro, pending), reply))
             standin.task = task
             self._waiting[id(reply)] = (reply, task)
@@ -188,9 +188,9 @@ class NativeFront:
     """The front on ``host:port`` in a thread of its own, in front of the app served on ``loopback``."""
 
     def __init__(self, app: web.Application, settings: RouterSettings, host: str, port: int, loopback: int):
-        from kvstrata.router.proxy import PROXY_KEY
-
         import kvstrata_native
+
+        from kvstrata.router.proxy import PROXY_KEY
 
         proxy = app[PROXY_KEY]
         lock = RouterLock(asyncio.get_running_loop())
