@@ -23,6 +23,7 @@ from asyncio.tasks import _enter_task, _leave_task  # the current task, for a st
 from collections.abc import Coroutine, Generator
 from typing import Any, cast
 
+import kvstrata_native
 from aiohttp import web
 
 from kvstrata.api.router_config import RouterSettings
@@ -30,7 +31,7 @@ from kvstrata.router.errors import json_error
 from kvstrata.router.loop import RouterLock
 from kvstrata.router.outcomes import FailureKind, Outcome
 from kvstrata.router.pool import Endpoint
-from kvstrata.router.proxy import Answer, NativeTry, Plan, Proxy, Resume, answer
+from kvstrata.router.proxy import PROXY_KEY, Answer, NativeTry, Plan, Proxy, Resume, answer
 from kvstrata.router.requests import Kind
 
 log = logging.getLogger("kvstrata.router.native_http")
@@ -188,10 +189,6 @@ class NativeFront:
     """The front on ``host:port`` in a thread of its own, in front of the app served on ``loopback``."""
 
     def __init__(self, app: web.Application, settings: RouterSettings, host: str, port: int, loopback: int):
-        import kvstrata_native
-
-        from kvstrata.router.proxy import PROXY_KEY
-
         proxy = app[PROXY_KEY]
         lock = RouterLock(asyncio.get_running_loop())
         s = settings

@@ -220,6 +220,8 @@ class Proxy:
         self.block_size = s.block_size
         # Requests the native front began and Python goes on with, by token (router/native_http.py).
         self.resumable: dict[str, tuple[_Call, _TryState]] = {}
+        self.native_tries = 0  # first tries the native front made
+        self.resumed = 0  # requests it began that Python went on with (a failed or patient first try)
 
     # --- OpenAI generation endpoints ---------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -247,6 +249,7 @@ class Proxy:
     async def _generate(self, request: web.Request, kind: Kind) -> web.StreamResponse:
         token = request.headers.get(RESUME_HEADER)
         if token is not None and (began := self.resumable.pop(token, None)) is not None:
+            self.resumed += 1
             return await self._resume(request, *began)
         try:
             raw, decoded = await self._read(request)
@@ -649,6 +652,7 @@ class Proxy:
             st.left.insert(0, ep)
             return self._keep(call, st)
         t = self._start_try(call, ep)
+        self.native_tries += 1
         headers = self._decision_headers(call, ep, t.t0)
         del headers["x-kvstrata-attempts"], headers["x-kvstrata-upstream-ms"]  # the front's to say
         return Go("go", NativeTry(call, st, t), ep.url, call.stream, is_last, list(headers.items()))
@@ -770,6 +774,11 @@ class Proxy:
             "endpoints": endpoints,
             "staleIndexEndpoints": stale,
             "incrementalTokenization": router.tokenizer_state(),
+            "dataPlane": {
+                "plane": router.settings.data_plane,
+                "nativeTries": self.native_tries,
+                "resumedInPython": self.resumed,
+            },
         }
         return web.json_response(body)
 
@@ -821,8 +830,8 @@ def build_app(router: Router, upstream: Upstream) -> web.Application:
     return app
 
 
-def build_admin_app(router: Router, upstream: Upstream) -> web.Application:
-    proxy = Proxy(router, upstream)
+def build_admin_app(proxy: Proxy) -> web.Application:
+    """The admin port's app, over the public app's proxy (its /kvstrata/state counts that one's requests)."""
     app = web.Application(middlewares=[openai_errors])
     app.router.add_get("/health", proxy.health)
     app.router.add_get("/ready", proxy.ready)

@@ -34,7 +34,7 @@ from kvstrata.router.metrics import RouterMetrics
 from kvstrata.router.native_http import NativeFront
 from kvstrata.router.pool import Endpoint, EndpointSpec
 from kvstrata.router.prompts import LocalTokenizer
-from kvstrata.router.proxy import build_admin_app, build_app
+from kvstrata.router.proxy import PROXY_KEY, build_admin_app, build_app
 from kvstrata.router.storage_evictions import StorageEvictions
 from kvstrata.router.subscriber import KvEventSubscriber
 from kvstrata.router.upstream import Upstream
@@ -205,9 +205,9 @@ class RouterService:
         else:
             site = web.TCPSite(self._runner, host, port, backlog=4096)
             await site.start()
-        if s.admin_port is not None and self.router is not None and self.upstream is not None:
+        if s.admin_port is not None:
             self._admin_runner = web.AppRunner(
-                build_admin_app(self.router, self.upstream),
+                build_admin_app(self.app[PROXY_KEY]),
                 access_log=None,
                 keepalive_timeout=s.header_read_timeout_seconds,
             )

@@ -553,3 +553,52 @@ async def test_a_request_without_kv_room_is_held_then_sent_with_its_claim_given_
     assert router.gate.in_flight_blocks(ep) == 0 and router.gate.held() == 0
     metrics = await (await h.client.get(h.base + "/metrics")).text()
     assert 'kvstrata_router_admissions_total{how="queued"} 1.0' in metrics
+
+
+async def test_a_client_that_leaves_while_held_gives_its_place_back(
+    make_router: RouterFactory, fakes: Callable[..., Any]
+) -> None:
+    (a,) = await fakes("wait")
+    h = await make_router([a.url])
+    router = h.svc.router
+    assert router is not None
+    (ep,) = router.pool.all()
+    ep.kv_blocks = 10
+    ids = [{"prompt": list(range(i * 1000, i * 1000 + 8 * 32)), "max_tokens": 4} for i in range(2)]
+    first = asyncio.ensure_future(h.post("/v1/completions", completion(**ids[0])))
+    await asyncio.sleep(0.2)
+    second = asyncio.ensure_future(h.post("/v1/completions", completion(**ids[1])))
+    await asyncio.sleep(0.2)
+    assert router.gate.held() == 1
+    second.cancel()  # the client goes away while its request is held
+    for _ in range(50):
+        if router.gate.held() == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert router.gate.held() == 0
+    a.release.set()
+    status, _, _ = await asyncio.wait_for(first, 5)
+    await asyncio.sleep(0.2)
+    assert status == 200 and len(a.bodies) == 1  # the left request never reached the engine
+    assert router.gate.in_flight_blocks(ep) == 0 and ep.in_flight == 0
+
+
+async def test_the_state_says_which_plane_made_each_try(
+    make_router: RouterFactory, fakes: Callable[..., Any]
+) -> None:
+    bad, good = await fakes("500", "ok")
+    h = await make_router([bad.url, good.url], maxRetries=1)
+    h.prefer(good.url, "to the good one " * 8)
+    status, headers, _ = await h.post("/v1/completions", completion(prompt="to the good one " * 8))
+    assert (status, headers["x-kvstrata-endpoint"], headers["x-kvstrata-attempts"]) == (200, good.url, "1")
+    h.prefer(bad.url, "to the bad one " * 8)
+    status, headers, _ = await h.post("/v1/completions", completion(prompt="to the bad one " * 8))
+    # The bad engine's 5xx is retried on the good one: by Python, after a native first try.
+    assert (status, headers["x-kvstrata-endpoint"], headers["x-kvstrata-attempts"]) == (200, good.url, "2")
+    assert len(bad.bodies) == 1
+    async with h.client.get(h.base + "/kvstrata/state") as resp:
+        plane = (await resp.json())["dataPlane"]
+    if h.svc.settings.data_plane == "native":
+        assert plane == {"plane": "native", "nativeTries": 2, "resumedInPython": 1}
+    else:
+        assert plane == {"plane": "python", "nativeTries": 0, "resumedInPython": 0}
