@@ -296,8 +296,20 @@ fn classify(url: &str, e: &hyper_util::client::legacy::Error) -> Fail {
     };
     Fail {
         kind,
-        detail: format!("{url}: {e:?}"),
+        detail: format!("{url}: {}", causes(e)),
     }
+}
+
+/// An error and its causes, as one line ("tcp connect error: Connection refused (os error 111)").
+fn causes(e: &dyn StdError) -> String {
+    let mut out = e.to_string();
+    let mut src = e.source();
+    while let Some(s) = src {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        src = s.source();
+    }
+    out
 }
 
 impl Inner {
@@ -538,7 +550,7 @@ impl Inner {
                         Some(Err(e)) => {
                             return Err(Fail {
                                 kind: "disconnected",
-                                detail: format!("{url}: {e:?}"),
+                                detail: format!("{url}: {}", causes(&e)),
                             })
                         }
                         None => {
@@ -564,7 +576,7 @@ impl Inner {
                 Err(e) if e.is::<LengthLimitError>() => Ok((Got::TooLarge, permit)),
                 Err(e) => Err(Fail {
                     kind: "disconnected",
-                    detail: format!("{url}: {e:?}"),
+                    detail: format!("{url}: {}", causes(e.as_ref())),
                 }),
             }
         };
@@ -880,7 +892,7 @@ impl Body for Relay {
                     }
                     return Poll::Ready(Some(Ok(Frame::data(d))));
                 }
-                Poll::Ready(Some(Err(e))) => return this.abort("stream_aborted", format!("{e:?}")),
+                Poll::Ready(Some(Err(e))) => return this.abort("stream_aborted", causes(&e)),
                 Poll::Ready(None) => {
                     this.done = true;
                     if let Some(h) = this.handle.take() {
