@@ -44,50 +44,31 @@ use tokio::sync::{oneshot, Notify, OwnedSemaphorePermit, Semaphore};
 /// The header that tells the Python app to go on with a request this side began.
 const RESUME: &str = "x-kvstrata-resume";
 
-/// Request headers never forwarded to an engine (proxy.py's ``_REQ_DROP``; hyper sets framing and Host).
-fn dropped_upstream(name: &HeaderName) -> bool {
-    matches!(
-        name.as_str(),
-        "connection"
-            | "keep-alive"
-            | "proxy-authenticate"
-            | "proxy-authorization"
-            | "te"
-            | "trailers"
-            | "transfer-encoding"
-            | "upgrade"
-            | "host"
-            | "content-length"
-            | "accept-encoding"
-            | RESUME
-    )
-}
-
-/// Response headers not relayed (proxy.py's ``_RESP_DROP``; hyper writes its own Date and framing).
-fn dropped_downstream(name: &HeaderName) -> bool {
-    matches!(
-        name.as_str(),
-        "connection"
-            | "keep-alive"
-            | "proxy-authenticate"
-            | "proxy-authorization"
-            | "te"
-            | "trailers"
-            | "transfer-encoding"
-            | "upgrade"
-            | "host"
-            | "content-length"
-            | "date"
-            | "server"
-    )
-}
-
-/// Hop-by-hop headers, dropped on the way to and from the loopback app.
+/// Hop-by-hop headers (RFC 9110), dropped on every leg.
 fn hop_by_hop(name: &HeaderName) -> bool {
     matches!(
         name.as_str(),
         "connection" | "keep-alive" | "te" | "trailers" | "transfer-encoding" | "upgrade"
     )
+}
+
+/// Dropped between client and engine both ways (proxy.py's ``_HOP_BY_HOP``): hyper sets framing and Host.
+fn dropped_relayed(name: &HeaderName) -> bool {
+    hop_by_hop(name)
+        || matches!(
+            name.as_str(),
+            "proxy-authenticate" | "proxy-authorization" | "host" | "content-length"
+        )
+}
+
+/// Request headers never forwarded to an engine (proxy.py's ``_REQ_DROP``).
+fn dropped_upstream(name: &HeaderName) -> bool {
+    dropped_relayed(name) || matches!(name.as_str(), "accept-encoding" | RESUME)
+}
+
+/// Response headers not relayed (proxy.py's ``_RESP_DROP``; hyper writes its own Date).
+fn dropped_downstream(name: &HeaderName) -> bool {
+    dropped_relayed(name) || matches!(name.as_str(), "date" | "server")
 }
 
 struct Limits {

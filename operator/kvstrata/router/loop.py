@@ -70,8 +70,12 @@ class RouterLock:
             ready = len(self._ready)
             scheduled = self._scheduled
             first = scheduled[0].when() if scheduled else None
-            yield
-            # The loop sleeps until its earliest timer: wake it only for a callback to run now, or a
-            # timer earlier than that one (a request's end schedules one; most end with one pending).
-            if len(self._ready) != ready or (scheduled and (first is None or scheduled[0].when() < first)):
-                self.loop._write_to_self()  # type: ignore[attr-defined]
+            try:
+                yield
+            finally:
+                # The loop sleeps until its earliest timer: wake it only for a callback to run now or a
+                # timer earlier than that one (one that is later is run when the loop wakes for it).
+                if len(self._ready) != ready or (
+                    scheduled and (first is None or scheduled[0].when() < first)
+                ):
+                    self.loop._write_to_self()  # type: ignore[attr-defined]

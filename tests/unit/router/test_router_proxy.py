@@ -531,11 +531,8 @@ async def test_oversized_body_gets_an_openai_error(
     assert json.loads(raw)["error"]["code"] == "body_too_large"
 
 
-async def test_a_request_without_kv_room_is_held_then_sent_with_its_claim_given_back(
-    make_router: RouterFactory, fakes: Callable[..., Any]
-) -> None:
-    (a,) = await fakes("wait")
-    h = await make_router([a.url])
+async def _one_running_one_held(h: Harness) -> tuple[Any, Any, asyncio.Future[Any], asyncio.Future[Any]]:
+    """Two 9-block requests to the one engine of a 10-block pool: the first runs, the second is held."""
     router = h.svc.router
     assert router is not None
     (ep,) = router.pool.all()
@@ -545,6 +542,15 @@ async def test_a_request_without_kv_room_is_held_then_sent_with_its_claim_given_
     await asyncio.sleep(0.2)
     second = asyncio.ensure_future(h.post("/v1/completions", completion(**ids[1])))
     await asyncio.sleep(0.2)
+    return router, ep, first, second
+
+
+async def test_a_request_without_kv_room_is_held_then_sent_with_its_claim_given_back(
+    make_router: RouterFactory, fakes: Callable[..., Any]
+) -> None:
+    (a,) = await fakes("wait")
+    h = await make_router([a.url])
+    router, ep, first, second = await _one_running_one_held(h)
     assert len(a.bodies) == 1 and router.gate.held() == 1  # 9 + 9 blocks do not fit in 10
     a.release.set()
     (s1, h1, _), (s2, h2, _) = await asyncio.wait_for(asyncio.gather(first, second), 5)
@@ -560,15 +566,7 @@ async def test_a_client_that_leaves_while_held_gives_its_place_back(
 ) -> None:
     (a,) = await fakes("wait")
     h = await make_router([a.url])
-    router = h.svc.router
-    assert router is not None
-    (ep,) = router.pool.all()
-    ep.kv_blocks = 10
-    ids = [{"prompt": list(range(i * 1000, i * 1000 + 8 * 32)), "max_tokens": 4} for i in range(2)]
-    first = asyncio.ensure_future(h.post("/v1/completions", completion(**ids[0])))
-    await asyncio.sleep(0.2)
-    second = asyncio.ensure_future(h.post("/v1/completions", completion(**ids[1])))
-    await asyncio.sleep(0.2)
+    router, ep, first, second = await _one_running_one_held(h)
     assert router.gate.held() == 1
     second.cancel()  # the client goes away while its request is held
     for _ in range(50):
