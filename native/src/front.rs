@@ -223,6 +223,22 @@ fn json_response(status: StatusCode, body: Bytes, headers: &[(String, String)]) 
     r
 }
 
+/// The response to a plan that should be an answer; the router's own 500 for anything else.
+fn answered(plan: Option<Plan>, fallback: StatusCode) -> Resp {
+    match plan {
+        Some(Plan::Answer {
+            status,
+            body,
+            headers,
+        }) => json_response(
+            StatusCode::from_u16(status).unwrap_or(fallback),
+            body,
+            &headers,
+        ),
+        _ => router_error("internal router error (logged)"),
+    }
+}
+
 fn add_headers(h: &mut HeaderMap, headers: &[(String, String)]) {
     for (k, v) in headers {
         if let (Ok(k), Ok(v)) = (
@@ -313,8 +329,24 @@ impl Inner {
         }
     }
 
+    /// ``handler.<name>(*args)`` read as a plan; None (printed) where Python raised or answered
+    /// something else.
+    fn call_plan<A>(&self, name: &str, args: A) -> Option<Plan>
+    where
+        A: for<'py> pyo3::call::PyCallArgs<'py>,
+    {
+        Python::attach(|py| {
+            let name = pyo3::types::PyString::intern(py, name);
+            self.call(py, &name, args)
+                .and_then(|p| plan_of(&p).map_err(|e| e.print(py)).ok())
+        })
+    }
+
     fn ejection(&self, url: &str) -> Arc<Notify> {
         let mut map = self.ejections.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = map.get(url) {
+            return n.clone(); // every try looks its URL up: no key allocated but the first time
+        }
         map.entry(url.to_owned())
             .or_insert_with(|| Arc::new(Notify::new()))
             .clone()
@@ -349,22 +381,10 @@ impl Inner {
             Ok(Ok(b)) => b.to_bytes(),
             Ok(Err(_)) => return Ok(router_error("the request body could not be read")),
             Err(_) => {
-                let plan = Python::attach(|py| {
-                    self.call(py, intern!(py, "body_timeout"), ())
-                        .and_then(|p| plan_of(&p).map_err(|e| e.print(py)).ok())
-                });
-                return Ok(match plan {
-                    Some(Plan::Answer {
-                        status,
-                        body,
-                        headers,
-                    }) => json_response(
-                        StatusCode::from_u16(status).unwrap_or(StatusCode::REQUEST_TIMEOUT),
-                        body,
-                        &headers,
-                    ),
-                    _ => router_error("the request body timed out"),
-                });
+                return Ok(answered(
+                    self.call_plan("body_timeout", ()),
+                    StatusCode::REQUEST_TIMEOUT,
+                ))
             }
         };
         let plan = match self.begin(kind, &parts, &body).await {
@@ -422,15 +442,9 @@ impl Inner {
 
     async fn follow(self: &Arc<Self>, plan: Plan, parts: Parts, body: Bytes) -> Resp {
         match plan {
-            Plan::Answer {
-                status,
-                body,
-                headers,
-            } => json_response(
-                StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
-                body,
-                &headers,
-            ),
+            answer @ Plan::Answer { .. } => {
+                answered(Some(answer), StatusCode::INTERNAL_SERVER_ERROR)
+            }
             Plan::Resume { token } => self.forward(&parts, empty(), Some(token)).await,
             Plan::Go {
                 handle,
@@ -633,46 +647,21 @@ impl Inner {
     /// to go on with, which the loopback app then takes over.
     async fn end_failed(self: &Arc<Self>, parts: &Parts, mut guard: TryGuard, fail: Fail) -> Resp {
         let handle = guard.handle.take();
-        let plan = Python::attach(|py| {
-            self.call(py, intern!(py, "failed"), (handle, fail.kind, fail.detail))
-                .and_then(|p| plan_of(&p).map_err(|e| e.print(py)).ok())
-        });
-        match plan {
+        match self.call_plan("failed", (handle, fail.kind, fail.detail)) {
             // The body is Python's to resend (it kept it): the app is sent the request line, the
             // headers and the token.
             Some(Plan::Resume { token }) => self.forward(parts, empty(), Some(token)).await,
-            Some(Plan::Answer {
-                status,
-                body,
-                headers,
-            }) => json_response(
-                StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY),
-                body,
-                &headers,
-            ),
-            _ => router_error("internal router error (logged)"),
+            other => answered(other, StatusCode::BAD_GATEWAY),
         }
     }
 
     /// The try's end that Python answers for (a timeout, a response over the bound): its response.
     fn broke(&self, mut guard: TryGuard, outcome: &str, detail: &str) -> Resp {
         let handle = guard.handle.take();
-        let plan = Python::attach(|py| {
-            self.call(py, intern!(py, "broke"), (handle, outcome, detail))
-                .and_then(|p| plan_of(&p).map_err(|e| e.print(py)).ok())
-        });
-        match plan {
-            Some(Plan::Answer {
-                status,
-                body,
-                headers,
-            }) => json_response(
-                StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY),
-                body,
-                &headers,
-            ),
-            _ => router_error("internal router error (logged)"),
-        }
+        answered(
+            self.call_plan("broke", (handle, outcome, detail)),
+            StatusCode::BAD_GATEWAY,
+        )
     }
 
     /// A request to the loopback app, streamed both ways; with a token, Python goes on with it.

@@ -30,7 +30,6 @@ from kvstrata.api.router_config import RouterSettings
 from kvstrata.router.errors import json_error
 from kvstrata.router.loop import RouterLock
 from kvstrata.router.outcomes import FailureKind, Outcome
-from kvstrata.router.pool import Endpoint
 from kvstrata.router.proxy import PROXY_KEY, Answer, NativeTry, Plan, Proxy, Resume, answer
 from kvstrata.router.requests import Kind
 
@@ -210,14 +209,8 @@ class NativeFront:
         )
         self.port: int = self._front.port
         front = self._front
-        counted = proxy.outlier.on_eject  # the ejection metric
-
-        def on_eject(ep: Endpoint, kind: FailureKind) -> None:
-            if counted is not None:
-                counted(ep, kind)
-            front.eject(ep.url)  # cuts the front's waits on it, as outlier.Waiter does Python's
-
-        proxy.outlier.on_eject = on_eject
+        # Cuts the front's waits on an ejected endpoint, as outlier.Waiter does Python's.
+        proxy.outlier.ejection_listeners.append(lambda ep, kind: front.eject(ep.url))
 
         def serve() -> None:
             lock.enter_thread()

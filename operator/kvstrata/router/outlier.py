@@ -91,7 +91,10 @@ class OutlierDetector:
         self.base = settings.ejection_base_seconds
         self.max = settings.ejection_max_seconds
         self.max_percent = settings.max_ejection_percent
-        self.on_eject = on_eject
+        # Told of every ejection: the metric (on_eject), and the native front's waits (router/native_http.py).
+        self.ejection_listeners: list[Callable[[Endpoint, FailureKind], None]] = (
+            [on_eject] if on_eject is not None else []
+        )
         self.clock = clock
         self.pool_size = pool_size or (lambda: len(self._states))
         self._states: dict[str, EjectionState] = {}
@@ -192,5 +195,5 @@ class OutlierDetector:
         )
         for w in list(st.waiting):
             w.cut_off()
-        if self.on_eject is not None:
-            self.on_eject(ep, kind)
+        for listener in self.ejection_listeners:
+            listener(ep, kind)

@@ -298,9 +298,7 @@ class Proxy:
         output_tokens: int | None = None,
     ) -> web.StreamResponse:
         gate = self.router.gate
-        grant = await gate.admit(decision, output_tokens)
-        if decision.routed:
-            self.metrics.admitted(grant.how, grant.held_s)
+        grant = await self._admit(decision, output_tokens)
         call = _Call(
             request,
             raw,
@@ -315,6 +313,13 @@ class Proxy:
             return await self._tries(call, self._try_state(call))
         finally:
             gate.release(call.claim)  # only if no try took it (a failure before the first)
+
+    async def _admit(self, decision: Decision, output_tokens: int | None) -> Grant:
+        """The gate's grant for the first try, counted (both planes)."""
+        grant = await self.router.gate.admit(decision, output_tokens)
+        if decision.routed:
+            self.metrics.admitted(grant.how, grant.held_s)
+        return grant
 
     async def _resume(self, request: web.Request, call: _Call, state: _TryState) -> web.StreamResponse:
         """Go on with a request the native front began (router/native_http.py)."""
@@ -642,9 +647,7 @@ class Proxy:
             decision = await self.router.decide(parsed, session_id)
         except (NoEndpoints, AllEjected) as exc:
             return answer(self._no_endpoints(exc))
-        grant = await self.router.gate.admit(decision, parsed.output_tokens())
-        if decision.routed:
-            self.metrics.admitted(grant.how, grant.held_s)
+        grant = await self._admit(decision, parsed.output_tokens())
         call = _Call(None, raw, path, {}, decision, parsed.stream, grant, grant.claim)
         st = self._try_state(call)
         ep, is_last, patient = self._next_try(call, st)
