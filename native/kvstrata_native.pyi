@@ -1,5 +1,6 @@
 from array import array
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 GPU: int
 CPU: int
@@ -28,6 +29,13 @@ class Recency:
     def trim(self, limit: int) -> None: ...
 
 def block_digests(tokens: Sequence[int], block_size: int, parent: bytes, algo: str) -> list[bytes]: ...
+def rank(
+    req: object, eps: list[Any], specs: list[tuple[int, float, tuple[float, ...], object]]
+) -> tuple[list[int], list[float], list[list[float]]]:
+    """router/scoring.py's ``pick`` for built-in scorers (NativePick): the endpoints' indices best
+    first, and per endpoint its total and its scores."""
+
+def rendezvous(key: bytes, url: str) -> int: ...
 
 class Walk:
     """The cached chunks a prompt starts with (router/incremental.py's ``Walk``, native)."""

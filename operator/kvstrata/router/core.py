@@ -47,7 +47,7 @@ from kvstrata.router.scoring import (
     Scorer,
     ShareBoundFilter,
     build_scorers,
-    pick,
+    picker,
 )
 from kvstrata.router.workpool import PoolBusy, WorkPools
 
@@ -159,6 +159,7 @@ class Router:
         self.outlier = OutlierDetector(settings, metrics.ejected_by, lambda: len(self.pool))
         self.chunk_chars = settings.approx_chunk_chars or 4 * settings.block_size
         self.scorers: list[tuple[Scorer, float]] = build_scorers(settings)
+        self.pick = picker(self.scorers)
         self.bounded = BoundedLoadFilter(settings.bounded_load_factor, settings.bounded_load_slack)
         self.share = ShareBoundFilter(
             settings.share_bound_factor,
@@ -657,7 +658,7 @@ class Router:
         under_share = self.share.filter(rreq, under_load)
         kept = self.conversations.filter(rreq, under_share)
         return _Ranking(
-            pick(rreq, kept, self.scorers),
+            self.pick(rreq, kept),
             sorted((ep for ep in eps if ep not in kept), key=lambda ep: ep.load),
             [ep for ep in eps if ep not in under_load],
             [ep for ep in under_load if ep not in under_share],

@@ -18,6 +18,7 @@ try:
         Recency,
         Walk,
         block_digests,
+        rank,
     )
 except ImportError as exc:  # pragma: no cover - only without the native package
     raise ImportError(
@@ -25,4 +26,15 @@ except ImportError as exc:  # pragma: no cover - only without the native package
         "`pip install ./native` from the repository (needs Rust's cargo)"
     ) from exc
 
-__all__ = ["CPU", "GPU", "PREDICTED", "STORAGE", "BlockTable", "Encoder", "Recency", "Walk", "block_digests"]
+__all__ = [
+    "CPU",
+    "GPU",
+    "PREDICTED",
+    "STORAGE",
+    "BlockTable",
+    "Encoder",
+    "Recency",
+    "Walk",
+    "block_digests",
+    "rank",
+]

@@ -14,11 +14,12 @@ import hashlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from enum import IntEnum
 from typing import Protocol
 
 from kvstrata.api.router_config import RouterSettings, TierWeights
 from kvstrata.router.index import PrefixMatch
-from kvstrata.router.native import Recency
+from kvstrata.router.native import Recency, rank
 from kvstrata.router.pool import Endpoint, faded
 from kvstrata.router.reasons import Reason
 
@@ -594,6 +595,106 @@ def pick(req: RouteRequest, eps: Sequence[Endpoint], scorers: Sequence[tuple[Sco
     # Round to keep float noise from defeating the tie-break.
     ranked.sort(key=lambda r: (-round(r.total, 9), -rendezvous(key, r.endpoint.url)))
     return ranked
+
+
+class Picker(Protocol):
+    def __call__(self, req: RouteRequest, eps: Sequence[Endpoint]) -> list[Ranked]: ...
+
+
+class PythonPick:
+    """:func:`pick` over a fixed list of scorers: the path for any scorer registered in Python."""
+
+    __slots__ = ("scorers",)
+
+    def __init__(self, scorers: Sequence[tuple[Scorer, float]]) -> None:
+        self.scorers = scorers
+
+    def __call__(self, req: RouteRequest, eps: Sequence[Endpoint]) -> list[Ranked]:
+        return pick(req, eps, self.scorers)
+
+
+class NativePick:
+    """:func:`pick` in one native call (native/src/ranking.rs) when every weighted scorer is one of the
+    built-in classes here: the same scores, totals and order (the parity test replays random requests
+    through both), at a fraction of the interpreter's cost per request. The scorers keep their state
+    and hooks; the native call reads them."""
+
+    __slots__ = ("_names", "_specs")
+
+    def __init__(self, names: list[str], specs: list[tuple[int, float, tuple[float, ...], object]]) -> None:
+        self._names = names
+        self._specs = specs
+
+    @classmethod
+    def of(cls, scorers: Sequence[tuple[Scorer, float]]) -> NativePick | None:
+        """The native picker for ``scorers``, or None when one of them has no native twin (a plugin, or a
+        subclass of a built-in one: its ``score`` may differ)."""
+        names, specs = [], []
+        for s, w in scorers:
+            if w <= 0:
+                continue
+            spec = _native_spec(s)
+            if spec is None:
+                return None
+            kind, params, state = spec
+            names.append(s.name)
+            specs.append((kind, w, params, state))
+        return cls(names, specs)
+
+    def __call__(self, req: RouteRequest, eps: Sequence[Endpoint]) -> list[Ranked]:
+        order, totals, rows = rank(req, list(eps), self._specs)
+        names = self._names
+        return [Ranked(eps[i], totals[i], dict(zip(names, rows[i], strict=True))) for i in order]
+
+
+class _Native(IntEnum):
+    """The scorer kinds native/src/ranking.rs knows (its constants)."""
+
+    PREFILL = 0
+    PREFIX = 1
+    LOAD = 2
+    KV_USAGE = 3
+    CACHE_ROOM = 4
+    HISTORY = 5
+    FIT = 6
+    RECENT = 7
+    EVICTS = 8
+    SESSION = 9
+
+
+def _native_spec(s: Scorer) -> tuple[int, tuple[float, ...], object] | None:
+    """(kind, parameters, state) of a built-in scorer, as native/src/ranking.rs reads them; None for
+    any other (an exact class match: a subclass may score differently)."""
+    match s:
+        case PrefillCostScorer() if type(s) is PrefillCostScorer:
+            t = s.tiers
+            params = (t.gpu, t.cpu, t.storage, float(s.block_size), s.queue_weight, float(s.room_aware))
+            return _Native.PREFILL, params, None
+        case PrefixScorer() if type(s) is PrefixScorer:
+            return _Native.PREFIX, (s.tiers.gpu, s.tiers.cpu, s.tiers.storage), None
+        case FitScorer() if type(s) is FitScorer:
+            return _Native.FIT, (s.window_s,), s.demand
+        case RecentScorer() if type(s) is RecentScorer:
+            return _Native.RECENT, (s.window_s,), s.sent
+        case EvictsScorer() if type(s) is EvictsScorer:
+            return _Native.EVICTS, (s.window_s,), s.used
+    kind = _STATELESS.get(type(s))
+    return None if kind is None else (kind, (), None)
+
+
+_STATELESS: dict[type, _Native] = {
+    LoadScorer: _Native.LOAD,
+    KvUsageScorer: _Native.KV_USAGE,
+    CacheRoomScorer: _Native.CACHE_ROOM,
+    HistoryScorer: _Native.HISTORY,
+    SessionScorer: _Native.SESSION,
+}
+
+
+def picker(scorers: Sequence[tuple[Scorer, float]], *, native: bool = True) -> Picker:
+    """How a router ranks with ``scorers``: natively when it can (and ``native``), else :func:`pick`."""
+    fast = NativePick.of(scorers) if native else None
+    return fast if fast is not None else PythonPick(scorers)
 
 
 ScorerFactory = Callable[[RouterSettings], Scorer]
