@@ -29,11 +29,13 @@ class Recency:
     def trim(self, limit: int) -> None: ...
 
 def block_digests(tokens: Sequence[int], block_size: int, parent: bytes, algo: str) -> list[bytes]: ...
-def rank(
-    req: object, eps: list[Any], specs: list[tuple[int, float, tuple[float, ...], object]]
-) -> tuple[list[int], list[float], list[list[float]]]:
-    """router/scoring.py's ``pick`` for built-in scorers (NativePick): the endpoints' indices best
-    first, and per endpoint its total and its scores."""
+class Ranker:
+    """router/scoring.py's ``pick`` for built-in scorers (NativePick), given as
+    ``[(kind, weight, params, state)]``."""
+
+    def __init__(self, specs: list[tuple[int, float, tuple[float, ...], object]]) -> None: ...
+    def rank(self, req: object, eps: list[Any]) -> tuple[list[int], list[float], list[list[float]]]:
+        """The endpoints' indices best first, and per endpoint its total and its scores."""
 
 def rendezvous(key: bytes, url: str) -> int: ...
 

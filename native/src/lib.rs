@@ -397,7 +397,7 @@ fn kvstrata_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(digests::block_digests, m)?)?;
     m.add_class::<incremental::Encoder>()?;
     m.add_class::<incremental::Walk>()?;
-    m.add_function(wrap_pyfunction!(ranking::rank, m)?)?;
+    m.add_class::<ranking::Ranker>()?;
     m.add_function(wrap_pyfunction!(ranking::py_rendezvous, m)?)?;
     front::register(m)?;
     Ok(())

@@ -11,7 +11,7 @@ use blake2::digest::{Update, VariableOutput};
 use blake2::Blake2bVar;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 
 use crate::Recency;
 
@@ -366,48 +366,74 @@ fn score(
     })
 }
 
-/// `scoring.pick` for built-in scorers: ``specs`` is `[(kind, weight, params, state)]` (weights > 0,
-/// in the scorers' order). Returns the endpoints' indices best first, and per endpoint (in ``eps``'
-/// order) its total and its score from each scorer.
-#[pyfunction]
-#[allow(clippy::type_complexity)]
-pub fn rank(
-    req: &Bound<'_, PyAny>,
-    eps: &Bound<'_, PyList>,
-    specs: &Bound<'_, PyList>,
-) -> PyResult<(Vec<usize>, Vec<f64>, Vec<Vec<f64>>)> {
-    let r = Req::read(req)?;
-    let endpoints = read_eps(eps, &r)?;
-    let n = endpoints.len();
-    let mut totals = vec![0.0; n];
-    let mut rows = vec![Vec::with_capacity(specs.len()); n];
-    for spec in specs.iter() {
-        let spec = spec.downcast_into::<PyTuple>()?;
-        let kind: u8 = spec.get_item(0)?.extract()?;
-        let weight: f64 = spec.get_item(1)?.extract()?;
-        let params: Vec<f64> = spec.get_item(2)?.extract()?;
-        let state = spec.get_item(3)?;
-        let scores = score(kind, &params, &state, &r, &endpoints)?;
-        for (i, s) in scores.into_iter().enumerate() {
-            totals[i] += weight * s;
-            rows[i].push(s);
+/// One weighted scorer as router/scoring.py's NativePick describes it.
+struct Spec {
+    kind: u8,
+    weight: f64,
+    params: Vec<f64>,
+    state: Py<PyAny>, // the scorer's per-endpoint state (a dict), or None
+}
+
+/// `scoring.pick` for a fixed list of built-in scorers, ``[(kind, weight, params, state)]`` (weights
+/// > 0, in the scorers' order), read once.
+#[pyclass(module = "kvstrata_native", frozen)]
+pub struct Ranker {
+    specs: Vec<Spec>,
+}
+
+#[pymethods]
+impl Ranker {
+    #[new]
+    fn new(specs: Vec<(u8, f64, Vec<f64>, Py<PyAny>)>) -> Self {
+        let specs = specs
+            .into_iter()
+            .map(|(kind, weight, params, state)| Spec {
+                kind,
+                weight,
+                params,
+                state,
+            })
+            .collect();
+        Self { specs }
+    }
+
+    /// The endpoints' indices best first, and per endpoint (in ``eps``' order) its total and its score
+    /// from each scorer.
+    #[allow(clippy::type_complexity)]
+    fn rank(
+        &self,
+        req: &Bound<'_, PyAny>,
+        eps: &Bound<'_, PyList>,
+    ) -> PyResult<(Vec<usize>, Vec<f64>, Vec<Vec<f64>>)> {
+        let py = req.py();
+        let r = Req::read(req)?;
+        let endpoints = read_eps(eps, &r)?;
+        let n = endpoints.len();
+        let mut totals = vec![0.0; n];
+        let mut rows = vec![Vec::with_capacity(self.specs.len()); n];
+        for spec in &self.specs {
+            let scores = score(spec.kind, &spec.params, spec.state.bind(py), &r, &endpoints)?;
+            for (i, s) in scores.into_iter().enumerate() {
+                totals[i] += spec.weight * s;
+                rows[i].push(s);
+            }
         }
+        let mut keyed = Vec::with_capacity(n);
+        for (i, ep) in endpoints.iter().enumerate() {
+            keyed.push((
+                round9(totals[i]),
+                rendezvous(r.tie_key.as_bytes(), ep.url.to_str()?.as_bytes()),
+                i,
+            ));
+        }
+        // Highest total first, then the highest rendezvous hash; a stable sort, as Python's.
+        keyed.sort_by(|a, b| {
+            b.0.partial_cmp(&a.0)
+                .unwrap_or(std::cmp::Ordering::Equal)
+                .then(b.1.cmp(&a.1))
+        });
+        Ok((keyed.into_iter().map(|k| k.2).collect(), totals, rows))
     }
-    let mut keyed = Vec::with_capacity(n);
-    for (i, ep) in endpoints.iter().enumerate() {
-        keyed.push((
-            round9(totals[i]),
-            rendezvous(r.tie_key.as_bytes(), ep.url.to_str()?.as_bytes()),
-            i,
-        ));
-    }
-    // Highest total first, then the highest rendezvous hash; a stable sort, as Python's.
-    keyed.sort_by(|a, b| {
-        b.0.partial_cmp(&a.0)
-            .unwrap_or(std::cmp::Ordering::Equal)
-            .then(b.1.cmp(&a.1))
-    });
-    Ok((keyed.into_iter().map(|k| k.2).collect(), totals, rows))
 }
 
 /// `scoring.rendezvous`, for the parity test.

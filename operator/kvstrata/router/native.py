@@ -15,10 +15,10 @@ try:
         STORAGE,
         BlockTable,
         Encoder,
+        Ranker,
         Recency,
         Walk,
         block_digests,
-        rank,
     )
 except ImportError as exc:  # pragma: no cover - only without the native package
     raise ImportError(
@@ -33,8 +33,8 @@ __all__ = [
     "STORAGE",
     "BlockTable",
     "Encoder",
+    "Ranker",
     "Recency",
     "Walk",
     "block_digests",
-    "rank",
 ]

@@ -15,11 +15,11 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from kvstrata.api.router_config import RouterSettings, TierWeights
 from kvstrata.router.index import PrefixMatch
-from kvstrata.router.native import Recency, rank
+from kvstrata.router.native import Ranker, Recency
 from kvstrata.router.pool import Endpoint, faded
 from kvstrata.router.reasons import Reason
 
@@ -57,8 +57,9 @@ class RouteRequest:
         return len(self.hashes) if self.blocks is None else self.blocks
 
 
-@dataclass(frozen=True, slots=True)
-class Ranked:
+class Ranked(NamedTuple):
+    """An endpoint's place in a ranking (a tuple: a ranking makes one per endpoint per request)."""
+
     endpoint: Endpoint
     total: float
     scores: dict[str, float]
@@ -619,11 +620,11 @@ class NativePick:
     through both), at a fraction of the interpreter's cost per request. The scorers keep their state
     and hooks; the native call reads them."""
 
-    __slots__ = ("_names", "_specs")
+    __slots__ = ("_names", "_ranker")
 
     def __init__(self, names: list[str], specs: list[tuple[int, float, tuple[float, ...], object]]) -> None:
         self._names = names
-        self._specs = specs
+        self._ranker = Ranker(specs)
 
     @classmethod
     def of(cls, scorers: Sequence[tuple[Scorer, float]]) -> NativePick | None:
@@ -642,9 +643,9 @@ class NativePick:
         return cls(names, specs)
 
     def __call__(self, req: RouteRequest, eps: Sequence[Endpoint]) -> list[Ranked]:
-        order, totals, rows = rank(req, list(eps), self._specs)
+        order, totals, rows = self._ranker.rank(req, eps if isinstance(eps, list) else list(eps))
         names = self._names
-        return [Ranked(eps[i], totals[i], dict(zip(names, rows[i], strict=True))) for i in order]
+        return [Ranked(eps[i], totals[i], dict(zip(names, rows[i]))) for i in order]  # noqa: B905
 
 
 class _Native(IntEnum):
