@@ -9,6 +9,7 @@
 mod digests;
 mod front;
 mod incremental;
+mod predictions;
 mod ranking;
 
 use std::collections::VecDeque;
@@ -397,6 +398,8 @@ fn kvstrata_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(digests::block_digests, m)?)?;
     m.add_class::<incremental::Encoder>()?;
     m.add_class::<incremental::Walk>()?;
+    m.add_class::<predictions::Prediction>()?;
+    m.add_class::<predictions::Predictions>()?;
     m.add_class::<ranking::Ranker>()?;
     m.add_function(wrap_pyfunction!(ranking::py_rendezvous, m)?)?;
     front::register(m)?;

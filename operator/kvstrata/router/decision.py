@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvstrata.router.index import Prediction, PrefixMatch
+from kvstrata.router.index import PrefixMatch
+from kvstrata.router.native import Prediction
 from kvstrata.router.pool import Endpoint
 from kvstrata.router.reasons import Reason
 from kvstrata.router.scoring import Ranked, RouteRequest, uncached_tokens

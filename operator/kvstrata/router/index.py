@@ -23,35 +23,16 @@ every engine once it is evicted, and each copy evicts other groups (router/scori
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
 from kvstrata.router.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from kvstrata.router.native import CPU, GPU, STORAGE, BlockTable
+from kvstrata.router.native import CPU, GPU, STORAGE, BlockTable, Prediction, Predictions
 
 REAL = GPU | CPU | STORAGE
 _MEDIUM_BIT = {"GPU": GPU, "CPU": CPU, "STORAGE": STORAGE}
-
-
-class Prediction:
-    """One predict() call: the blocks it predicted and when they expire. A block lives while any
-    prediction of it does (its table counts them), so the next turn of a conversation, which predicts
-    the earlier turns' blocks again, keeps them alive with no link to the earlier predictions: a turn
-    costs one native pass over its prompt, whatever came before it. Re-timing (a request's prefill
-    ended) is one assignment."""
-
-    __slots__ = ("dead", "endpoint", "expires", "hashes", "id")
-
-    def __init__(self, id: int, endpoint: str, expires: float, hashes: Sequence[int]) -> None:
-        self.id = id  # increasing: the tables count a prediction only for block lives it saw begin
-        self.endpoint = endpoint
-        self.expires = expires
-        self.hashes = hashes
-        self.dead = False
 
 
 class PrefixMatch(NamedTuple):
@@ -87,15 +68,13 @@ class BlockIndex:
         self._clock = clock
         # endpoint -> its blocks: hash -> (mask, live predictions holding it), least recently touched first
         self._eps: dict[str, BlockTable] = {}
-        # Live predictions by id: what the heap is rebuilt from when stale records pile up.
-        self._preds: dict[int, Prediction] = {}
-        self._pred_ids = itertools.count(1)
-        # Min-heap of (expiry, seq, prediction): one record per expiry set, not per block (a 128K-token
-        # prompt is 4,096 blocks). Expiries differ per call (a request in flight is predicted until its
-        # first token, then for the short TTL), so a FIFO would not be in expiry order.
-        self._predictions: list[tuple[float, int, Prediction]] = []
-        self._predicted_hashes = 0  # in live predictions' arrays
-        self._seq = itertools.count()
+        # The predictions (native/src/predictions.rs): a min-heap of expiry records, one per expiry set,
+        # not per block (a 128K-token prompt is 4,096 blocks). Expiries differ per call (a request in
+        # flight is predicted until its first token, then for the short TTL), so a FIFO would not be in
+        # expiry order. A block lives while any prediction of it does (its table counts them), so the
+        # next turn of a conversation, which predicts the earlier turns' blocks again, keeps them alive
+        # with no link to the earlier predictions; re-timing one is one record.
+        self._predictions = Predictions(max_blocks)
         self._size = 0
         self.evictions = 0
         # endpoint -> ghost hashes, oldest first; at most max_blocks in total (see _remember).
@@ -118,7 +97,7 @@ class BlockIndex:
         (the matched blocks become the most recently touched there)."""
         if not hashes:
             return {}
-        self._expire(self._clock())  # after this no entry holds an expired prediction
+        self._size -= self._predictions.expire(self._clock())  # no entry holds an expired prediction now
         out: dict[str, PrefixMatch] = {}
         for ep, table in self._eps.items():
             n, gpu, cpu, storage, predicted = table.prefix(hashes)
@@ -178,12 +157,10 @@ class BlockIndex:
         if not hashes:
             return None
         now = self._clock()
-        self._expire(now)
-        pred = Prediction(next(self._pred_ids), endpoint, now + ttl, hashes)
-        self._size += self._table(endpoint).predict(hashes, pred.id, touched)
-        self._preds[pred.id] = pred
-        self._predicted_hashes += len(hashes)
-        self._push(pred)
+        self._size -= self._predictions.expire(now)
+        self._table(endpoint)  # attached to the predictions when made
+        pred, added, removed = self._predictions.predict(endpoint, hashes, now + ttl, touched, now)
+        self._size += added - removed
         self._enforce_bound()
         return pred
 
@@ -193,30 +170,16 @@ class BlockIndex:
 
     def retime(self, pred: Prediction, ttl: float) -> None:
         """Give ``pred``'s blocks a new expiry ``ttl`` from now (those other live predictions hold too
-        stay while those do): O(1) in the prompt's length."""
+        stay while those do): O(1) in the prompt's length. Live predictions past twice the index's bound
+        in blocks are ended early, soonest to expire first (their hashes are what a prediction costs)."""
         now = self._clock()
-        self._expire(now)
-        if pred.dead:
-            return
-        pred.expires = now + ttl
-        self._push(pred)
-
-    def _push(self, pred: Prediction) -> None:
-        """A heap record at ``pred``'s expiry. Every change of an expiry pushes one, so a record older
-        than its prediction's expiry is stale (skipped when it comes up). Stale records past twice the
-        live predictions are swept by a rebuild; live predictions past twice the index's bound in blocks
-        are ended early, soonest to expire first (their arrays are what a prediction costs in memory)."""
-        heapq.heappush(self._predictions, (pred.expires, next(self._seq), pred))
-        if len(self._predictions) > 2 * len(self._preds) + 64:
-            self._predictions = [(p.expires, next(self._seq), p) for p in self._preds.values()]
-            heapq.heapify(self._predictions)
-        if self._predicted_hashes > 2 * self.max_blocks:
-            self._expire(self._clock(), early=self._predicted_hashes - 2 * self.max_blocks)
+        self._size -= self._predictions.retime(pred, now + ttl, now)
 
     def drop_endpoint(self, endpoint: str) -> None:
         table = self._eps.pop(endpoint, None)
         if table is not None:
             self._size -= len(table)
+            self._predictions.detach(endpoint)
         self._forget(endpoint)
 
     # --- internals -------------------------------------------------------------------------------
@@ -224,6 +187,7 @@ class BlockIndex:
         table = self._eps.get(endpoint)
         if table is None:
             table = self._eps[endpoint] = BlockTable()
+            self._predictions.attach(endpoint, table)
         return table
 
     def _clear(self, endpoint: str) -> None:
@@ -231,27 +195,6 @@ class BlockIndex:
         if table is not None:
             self._size -= len(table)
             table.clear()
-
-    def _expire(self, now: float, early: int = 0) -> None:
-        """End the predictions whose expiry has passed, then (``early`` > 0) the next ones to expire
-        until that many predicted blocks are gone."""
-        preds = self._predictions
-        while preds and (preds[0][0] <= now or early > 0):
-            at, _, pred = heapq.heappop(preds)
-            if pred.dead or at != pred.expires:  # stale: the prediction has another record
-                continue
-            early -= len(pred.hashes)
-            self._end(pred)
-
-    def _end(self, pred: Prediction) -> None:
-        pred.dead = True
-        del self._preds[pred.id]
-        self._predicted_hashes -= len(pred.hashes)
-        table = self._eps.get(pred.endpoint)
-        if table is not None:
-            # Confirmed entries stay; unconfirmed ones go when no other live prediction holds them.
-            self._size -= table.expire(pred.hashes, pred.id)
-        pred.hashes = ()  # a long prompt's array, which the request's decision references a while longer
 
     def _enforce_bound(self) -> None:
         while self._size > self.max_blocks:

@@ -108,7 +108,7 @@ def test_prediction_heap_stays_bounded_under_refreshes() -> None:
     idx = BlockIndex(10, clock=Clock())
     for _ in range(100):
         idx.predict("a", [1, 2, 3], ttl=5)
-    assert len(idx) == 3 and len(idx._predictions) <= 2 * 10
+    assert len(idx) == 3 and idx._predictions.records <= 2 * 10
 
 
 def test_prediction_refresh_extends_ttl_and_does_not_downgrade_confirmed() -> None:
@@ -235,7 +235,7 @@ def test_every_live_prediction_of_a_block_keeps_it_and_earlier_turns_leave_no_tr
         idx.retime(pred, 5)
         turns.append(pred)
         clock.t += 1
-        assert len(idx._preds) <= 5  # the turns of the last 5 s only
+        assert len(idx._predictions) <= 5  # the turns of the last 5 s only
     b += range(500_000, 500_010)
     other = idx.predict("e", list(b), ttl=600)  # a second conversation on the same system prompt
     assert other is not None
@@ -248,7 +248,7 @@ def test_every_live_prediction_of_a_block_keeps_it_and_earlier_turns_leave_no_tr
     idx.retime(other, 5)
     clock.t += 6
     assert idx.lookup(b) == {} and len(idx) == 0
-    assert all(p.dead for p in [*turns, other]) and not idx._preds
+    assert all(p.dead for p in [*turns, other]) and not len(idx._predictions)
 
 
 def test_a_block_removed_and_predicted_again_is_not_ended_by_its_earlier_prediction() -> None:
@@ -272,4 +272,63 @@ def test_predictions_past_twice_the_bound_end_early_soonest_first() -> None:
     later = [idx.predict("a", [9, 10, 11, 12, 13, 14, 15, 16], ttl=60 + i) for i in range(2)]
     assert first is not None and first.dead  # 24 blocks predicted, more than 2 x 10: the soonest went
     assert all(p is not None and not p.dead for p in later)
-    assert idx._predicted_hashes == 16
+    assert idx._predictions.predicted_hashes == 16
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_predictions_events_and_time_keep_the_index_consistent(seed: int) -> None:
+    """Random predictions, re-timings, events, drops and clock steps against a model of what must hold:
+    a prediction lives exactly until its latest expiry (or an early end past the bound), the index's
+    size is its tables', and an unconfirmed block is held by some live prediction of its endpoint."""
+    import random
+
+    from kvstrata.router.native import PREDICTED
+
+    rng = random.Random(seed)
+    clock = Clock()
+    idx = BlockIndex(rng.choice([40, 400]), clock=clock)
+    live: dict[object, tuple[str, float, set[int]]] = {}  # prediction -> endpoint, expiry, hashes
+    unconfirmed = 0
+    for _ in range(1500):
+        before = idx._predictions.predicted_hashes
+        op = rng.random()
+        ep = rng.choice("abc")
+        hashes = list(range(s := rng.randint(1, 60), s + rng.randint(1, 12)))
+        if op < 0.35:
+            pred = idx.predict(ep, hashes, ttl=rng.choice([0.5, 2.0, 30.0]))
+            assert pred is not None
+            live[pred] = (ep, pred.expires, set(hashes))
+        elif op < 0.5 and live:
+            pred = rng.choice(list(live))
+            idx.retime(pred, rng.choice([0.0, 1.0, 10.0]))
+            if not pred.dead:
+                live[pred] = (live[pred][0], pred.expires, live[pred][2])
+        elif op < 0.7:
+            idx.apply(ep, stored(hashes, rng.choice(["GPU", "CPU"])))
+        elif op < 0.8:
+            idx.apply(ep, BlockRemoved(tuple(hashes), rng.choice(["GPU", "CPU"])))
+        elif op < 0.82:
+            idx.drop_endpoint(ep)
+        else:
+            clock.t += rng.random() * 3
+        idx.lookup([1])  # ends what expired by now
+        # Predicting past twice the bound in hashes ends the soonest to expire early.
+        early = op < 0.5 and before + len(hashes) > 2 * idx.max_blocks
+        for pred, (_, expires, _) in list(live.items()):
+            if pred.dead:  # type: ignore[attr-defined]
+                assert expires <= clock.t or early
+                del live[pred]
+            else:
+                assert expires > clock.t  # nothing expired is alive
+        assert len(idx._predictions) == len(live)
+        assert idx._predictions.predicted_hashes == sum(len(h) for *_, h in live.values())
+        assert len(idx) == sum(idx.blocks_of(e) for e in idx.endpoints())
+        for e in idx.endpoints():
+            table = idx._eps[e]
+            held = set().union(*(h for (pe, _, h) in live.values() if pe == e))
+            for h in range(0, 80):
+                if table.mask(h) == PREDICTED:  # unconfirmed: only a live prediction keeps it
+                    assert h in held
+                    unconfirmed += 1
+    assert idx._predictions.records <= 2 * len(idx._predictions) + 64
+    assert unconfirmed > 100  # the check above ran
