@@ -13,8 +13,6 @@ from __future__ import annotations
 import asyncio
 import selectors
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 
@@ -64,18 +62,35 @@ class RouterLock:
         """Makes ``loop`` the calling thread's running loop, for the router code that asks for it."""
         asyncio.events._set_running_loop(self.loop)
 
-    @contextmanager
-    def held(self) -> Iterator[None]:
-        with self._lock:
-            ready = len(self._ready)
-            scheduled = self._scheduled
-            first = scheduled[0].when() if scheduled else None
-            try:
-                yield
-            finally:
-                # The loop sleeps until its earliest timer: wake it only for a callback to run now or a
-                # timer earlier than that one (one that is later is run when the loop wakes for it).
-                if len(self._ready) != ready or (
-                    scheduled and (first is None or scheduled[0].when() < first)
-                ):
-                    self.loop._write_to_self()  # type: ignore[attr-defined]
+    def held(self) -> _Held:
+        """The lock, for one call into the router (``with lock.held(): ...``)."""
+        return _Held(self)
+
+
+class _Held:
+    """One call's hold of the router lock (a class, not a generator: it is taken twice per request)."""
+
+    __slots__ = ("_first", "_ready", "_rl")
+
+    def __init__(self, rl: RouterLock) -> None:
+        self._rl = rl
+
+    def __enter__(self) -> None:
+        rl = self._rl
+        rl._lock.acquire()
+        self._ready = len(rl._ready)
+        scheduled = rl._scheduled
+        self._first = scheduled[0].when() if scheduled else None
+
+    def __exit__(self, *exc: object) -> None:
+        rl = self._rl
+        try:
+            # The loop sleeps until its earliest timer: wake it only for a callback to run now or a
+            # timer earlier than that one (one that is later is run when the loop wakes for it).
+            scheduled = rl._scheduled
+            if len(rl._ready) != self._ready or (
+                scheduled and (self._first is None or scheduled[0].when() < self._first)
+            ):
+                rl.loop._write_to_self()  # type: ignore[attr-defined]
+        finally:
+            rl._lock.release()
