@@ -14,6 +14,11 @@ mod ranking;
 
 use std::collections::VecDeque;
 
+// Every Rust allocation of the core (the tokenizer's strings and vectors, hyper's buffers): glibc's
+// malloc cost more than the work it served. Python objects stay on Python's allocator.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use rustc_hash::FxHashMap;
