@@ -269,8 +269,8 @@ class Router:
         """``got``'s tokens and hashes, its characters counted as reused or tokenized."""
         m = self.metrics
         if got.reused_chars:
-            m.child(m.prompt_chars, "reused").inc(got.reused_chars)
-        m.child(m.prompt_chars, "tokenized").inc(len(text) - got.reused_chars)
+            m.prompt_chars.labels("reused").inc(got.reused_chars)
+        m.prompt_chars.labels("tokenized").inc(len(text) - got.reused_chars)
         return got.tokens, got.hashes
 
     async def _text_hashes(self, text: str, chat: bool) -> Hashed:
@@ -657,6 +657,8 @@ class Router:
         under_load = self.bounded.filter(rreq, eps)
         under_share = self.share.filter(rreq, under_load)
         kept = self.conversations.filter(rreq, under_share)
+        if len(kept) == len(eps):  # each bound keeps a subset of what it is given: here, all of it
+            return _Ranking(self.pick(rreq, kept), [], [], [], [])
         return _Ranking(
             self.pick(rreq, kept),
             sorted((ep for ep in eps if ep not in kept), key=lambda ep: ep.load),

@@ -20,6 +20,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from kvstrata.router.outcomes import FailureKind, Outcome
 from kvstrata.router.pool import Endpoint
 from kvstrata.router.reasons import AFFINITY_REASONS
+from kvstrata.router.tally import Tally, TallyHistogram
 
 _M = TypeVar("_M", bound=MetricWrapperBase)
 
@@ -30,17 +31,18 @@ class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
         p = "kvstrata_router"
-        self.requests = Counter(
+        # The metrics every request touches are tallies (router/tally.py): a plain add each.
+        self.requests = Tally(
             f"{p}_requests", "Proxied requests by endpoint and outcome", ["endpoint", "outcome"], registry=r
         )
         self.bad_requests = Counter(
             f"{p}_bad_requests", "Requests refused with a 4xx", ["reason"], registry=r
         )
-        self.decisions = Counter(f"{p}_decisions", "Routing decisions by reason", ["reason"], registry=r)
+        self.decisions = Tally(f"{p}_decisions", "Routing decisions by reason", ["reason"], registry=r)
         self.affinity_share = Gauge(
             f"{p}_affinity_share", "Share of decisions decided by a cached-prefix overlap", registry=r
         )
-        self.prompt_tokens = Counter(f"{p}_prompt_tokens", "Prompt tokens of routed requests", registry=r)
+        self.prompt_tokens = Tally(f"{p}_prompt_tokens", "Prompt tokens of routed requests", registry=r)
         self.routed_on_leading_blocks = Counter(
             f"{p}_routed_on_leading_blocks",
             "Prompts routed on their leading blocks (no engine held the start of a long new stretch), by "
@@ -49,24 +51,24 @@ class RouterMetrics:
             ["rest"],
             registry=r,
         )
-        self.prompt_chars = Counter(
+        self.prompt_chars = Tally(
             f"{p}_prompt_chars",
             "Prompt characters routed, by how their tokens were had: reused (an earlier prompt's chunks) "
             "or tokenized",
             ["path"],
             registry=r,
         )
-        self.predicted_cached_tokens = Counter(
+        self.predicted_cached_tokens = Tally(
             f"{p}_predicted_cached_tokens",
             "Cached prompt tokens the index predicted on the chosen endpoint",
             registry=r,
         )
-        self.actual_cached_tokens = Counter(
+        self.actual_cached_tokens = Tally(
             f"{p}_actual_cached_tokens",
             "Cached prompt tokens engines reported (usage.prompt_tokens_details; needs --enable-prompt-tokens-details)",
             registry=r,
         )
-        self.actual_cached_reports = Counter(
+        self.actual_cached_reports = Tally(
             f"{p}_actual_cached_reports", "Responses that reported cached_tokens", registry=r
         )
         self.fallbacks = Counter(
@@ -78,7 +80,7 @@ class RouterMetrics:
         self.retries = Counter(
             f"{p}_retries", "Attempts on a next-best endpoint, by cause", ["reason"], registry=r
         )
-        self.upstream_latency = Histogram(
+        self.upstream_latency = TallyHistogram(
             f"{p}_upstream_latency_seconds",
             "Upstream request time until the response is complete",
             ["endpoint"],
@@ -89,7 +91,7 @@ class RouterMetrics:
             f"{p}_ttft_seconds", "Time to the first streamed byte from the engine", ["endpoint"],
             buckets=_LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
-        self.routing_seconds = Histogram(
+        self.routing_seconds = TallyHistogram(
             f"{p}_routing_seconds", "Time to decide (tokenize, hash, look up, score)",
             buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5), registry=r,
         )  # fmt: skip
@@ -151,7 +153,7 @@ class RouterMetrics:
             ["error"],
             registry=r,
         )
-        self.admissions = Counter(
+        self.admissions = Tally(
             f"{p}_admissions",
             "Routed requests by how they got their engine: direct, queued (held until its engine had "
             "room), stolen (held, then sent to another engine that serves it as cheaply), moved (held as "
@@ -167,6 +169,7 @@ class RouterMetrics:
         self.held = Gauge(f"{p}_held", "Requests held now for KV room on their engine", registry=r)
         self._affinity = 0
         self._decided = 0
+        self.affinity_share.set_function(lambda: self._affinity / self._decided if self._decided else 0.0)
         # labels() takes a lock and builds a tuple each call; the hot path reuses the children.
         self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], MetricWrapperBase] = {}
 
@@ -191,19 +194,18 @@ class RouterMetrics:
         self.ejections.labels(ep.url, kind.value).inc()
 
     def request_done(self, endpoint: str, outcome: Outcome, seconds: float | None) -> None:
-        self.child(self.requests, endpoint, outcome.value).inc()
+        self.requests.labels(endpoint, outcome.value).inc()
         if seconds is not None:
-            self.child(self.upstream_latency, endpoint).observe(seconds)
+            self.upstream_latency.labels(endpoint).observe(seconds)
 
     def decided(self, reason: str) -> None:
-        self.child(self.decisions, reason).inc()
+        self.decisions.labels(reason).inc()
         self._decided += 1
         if reason in AFFINITY_REASONS:
             self._affinity += 1
-        self.affinity_share.set(self._affinity / self._decided)
 
     def admitted(self, how: str, held_s: float) -> None:
-        self.child(self.admissions, how).inc()
+        self.admissions.labels(how).inc()
         if held_s > 0:
             self.hold_seconds.observe(held_s)
 
