@@ -1,6 +1,6 @@
 from array import array
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Self
 
 GPU: int
 CPU: int
@@ -29,6 +29,19 @@ class Recency:
     def trim(self, limit: int) -> None: ...
 
 def block_digests(tokens: Sequence[int], block_size: int, parent: bytes, algo: str) -> list[bytes]: ...
+class FollowUps:
+    """router/followups.py's FollowUps (NativeFollowUps)."""
+
+    window_s: float
+    only_evicted: bool
+    def __new__(
+        cls, window_s: float, make: Callable[[int, str, int, int], Any], *, only_evicted: bool = False
+    ) -> Self: ...
+    def ended(self, hashes: Iterable[int], endpoint: str, now: float) -> None: ...
+    def arrived(self, hashes: Iterable[int], now: float) -> Any: ...
+    def found(self, follow_up: Any, held_blocks: int) -> None: ...
+    def expected(self, hashes: Iterable[int]) -> bool: ...
+
 class Prediction:
     """One prediction of router/index.py (native/src/predictions.rs)."""
 

@@ -7,6 +7,7 @@
 //! as any sequence of ints (KV events), converted.
 
 mod digests;
+mod followups;
 mod front;
 mod incremental;
 mod predictions;
@@ -403,6 +404,7 @@ fn kvstrata_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(digests::block_digests, m)?)?;
     m.add_class::<incremental::Encoder>()?;
     m.add_class::<incremental::Walk>()?;
+    m.add_class::<followups::FollowUps>()?;
     m.add_class::<predictions::Prediction>()?;
     m.add_class::<predictions::Predictions>()?;
     m.add_class::<ranking::Ranker>()?;

@@ -54,7 +54,7 @@ from enum import StrEnum
 
 from kvstrata.api.router_config import AdmissionSettings, TierWeights
 from kvstrata.router.decision import Decision
-from kvstrata.router.followups import FollowUp, FollowUps
+from kvstrata.router.followups import FollowUp, FollowUpLearner, NativeFollowUps
 from kvstrata.router.index import PrefixMatch
 from kvstrata.router.pool import Endpoint
 from kvstrata.router.scoring import credited_blocks, uncached_tokens
@@ -276,7 +276,7 @@ class Gate:
         # engines whose claims it has changed (a cost asked late in a pass is the cost at its start).
         self._usable: set[str] = set()
         self._frozen: dict[str, list[bytes]] | None = None
-        self._followups = FollowUps(
+        self._followups: FollowUpLearner = NativeFollowUps(
             settings.anticipate_seconds, only_evicted=settings.anticipate_only_evicted
         )
         self._reserved: dict[str, list[_Reservation]] = {}  # per endpoint URL, in order of expiry

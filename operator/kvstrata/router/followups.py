@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
+
+from kvstrata.router import native
 
 # A follow-up extends the previous prompt by that prompt's answer and a new turn: its last full block
 # is this close to the follow-up's end (64 blocks: 2K tokens of answer and turn at block size 32).
@@ -34,7 +36,25 @@ class FollowUp(NamedTuple):
     group: int
 
 
+class FollowUpLearner(Protocol):
+    def ended(self, hashes: Sequence[int], endpoint: str, now: float) -> None: ...
+    def arrived(self, hashes: Sequence[int], now: float) -> FollowUp | None: ...
+    def found(self, follow_up: FollowUp, held_blocks: int) -> None: ...
+    def expected(self, hashes: Sequence[int]) -> bool: ...
+
+
+class NativeFollowUps(native.FollowUps):
+    """:class:`FollowUps` in Rust (native/src/followups.rs), what the admission gate uses: the same
+    answers (the parity test replays random calls through both) without a Python loop over an arriving
+    prompt's last blocks. A Python subclass, so a test may replace a method on an instance."""
+
+    def __new__(cls, window_s: float, *, only_evicted: bool = False) -> NativeFollowUps:
+        return super().__new__(cls, window_s, FollowUp, only_evicted=only_evicted)
+
+
 class FollowUps:
+    """The definition (and the reference the native one is tested against)."""
+
     def __init__(self, window_s: float, *, only_evicted: bool = False) -> None:
         self.window_s = window_s
         self.only_evicted = only_evicted
