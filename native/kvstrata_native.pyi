@@ -29,6 +29,7 @@ class Recency:
     def trim(self, limit: int) -> None: ...
 
 def block_digests(tokens: Sequence[int], block_size: int, parent: bytes, algo: str) -> list[bytes]: ...
+
 class FollowUps:
     """router/followups.py's FollowUps (NativeFollowUps)."""
 

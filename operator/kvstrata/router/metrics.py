@@ -12,17 +12,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.metrics import MetricWrapperBase
 
 from kvstrata.router.outcomes import FailureKind, Outcome
 from kvstrata.router.pool import Endpoint
 from kvstrata.router.reasons import AFFINITY_REASONS
 from kvstrata.router.tally import Tally, TallyHistogram
-
-_M = TypeVar("_M", bound=MetricWrapperBase)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -87,7 +83,7 @@ class RouterMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.ttft = Histogram(
+        self.ttft = TallyHistogram(
             f"{p}_ttft_seconds", "Time to the first streamed byte from the engine", ["endpoint"],
             buckets=_LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
@@ -170,15 +166,6 @@ class RouterMetrics:
         self._affinity = 0
         self._decided = 0
         self.affinity_share.set_function(lambda: self._affinity / self._decided if self._decided else 0.0)
-        # labels() takes a lock and builds a tuple each call; the hot path reuses the children.
-        self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], MetricWrapperBase] = {}
-
-    def child(self, metric: _M, *labels: str) -> _M:
-        """``metric.labels(*labels)``, made once."""
-        got = self._children.get((metric, labels))
-        if got is None:
-            got = self._children[(metric, labels)] = metric.labels(*labels)
-        return got  # type: ignore[return-value]  # made by metric.labels: the metric's own type
 
     def track_endpoint(self, ep: Endpoint, ejected: Callable[[], float]) -> None:
         self.in_flight.labels(ep.url).set_function(lambda: ep.in_flight)

@@ -595,7 +595,7 @@ class Proxy:
     def _stream_started(self, call: _Call, ep: Endpoint, t0: float, prefill: PrefillTicket) -> None:
         decision = call.decision
         self._prefill_over(prefill, decision, ep, time.perf_counter() - t0)  # the first token is out
-        self.metrics.child(self.metrics.ttft, ep.url).observe(time.perf_counter() - t0)
+        self.metrics.ttft.labels(ep.url).observe(time.perf_counter() - t0)
         if decision.hashes:
             self.metrics.predicted_cached_tokens.inc(decision.predicted_cached_tokens(ep, self.block_size))
 

@@ -15,7 +15,7 @@ import bisect
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import cast
+from typing import Generic, TypeVar, cast
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
@@ -58,7 +58,10 @@ class TallySpread:
         self.sum += value
 
 
-class _Family(Collector):
+_C = TypeVar("_C", TallyCount, TallySpread)
+
+
+class _Family(Collector, Generic[_C]):
     """What counters and histograms share: a name, help, label names and children by label values."""
 
     _type = ""
@@ -69,13 +72,31 @@ class _Family(Collector):
         self.name = name
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
+        self._children: dict[tuple[str, ...], _C] = {}
         registry.register(self)
+        if not self.labelnames:
+            self._only: _C = self.labels()
+
+    def _new_child(self) -> _C:
+        raise NotImplementedError
+
+    def labels(self, *values: str) -> _C:
+        if len(values) != len(self.labelnames):
+            raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._new_child()
+        return child
+
+    def _labelled(self) -> Iterator[tuple[dict[str, str], _C]]:
+        for values, child in list(self._children.items()):
+            yield dict(zip(self.labelnames, values, strict=True)), child
 
     def describe(self) -> Iterator[Metric]:
         yield Metric(self.name, self.documentation, self._type)
 
 
-class Tally(_Family):
+class Tally(_Family[TallyCount]):
     """A counter family (prometheus_client's ``Counter``: the same name, help, labels and samples)."""
 
     _type = "counter"
@@ -83,18 +104,10 @@ class Tally(_Family):
     def __init__(
         self, name: str, documentation: str, labelnames: Sequence[str] = (), *, registry: CollectorRegistry
     ) -> None:
-        self._children: dict[tuple[str, ...], TallyCount] = {}
         super().__init__(name, documentation, labelnames, registry)
-        if not self.labelnames:
-            self._only = self.labels()
 
-    def labels(self, *values: str) -> TallyCount:
-        if len(values) != len(self.labelnames):
-            raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
-        child = self._children.get(values)
-        if child is None:
-            child = self._children[values] = TallyCount()
-        return child
+    def _new_child(self) -> TallyCount:
+        return TallyCount()
 
     def inc(self, amount: float = 1.0) -> None:
         """An unlabelled counter's increment."""
@@ -102,14 +115,13 @@ class Tally(_Family):
 
     def collect(self) -> Iterator[Metric]:
         m = Metric(self.name, self.documentation, self._type)
-        for values, child in list(self._children.items()):
-            labels = dict(zip(self.labelnames, values, strict=True))
+        for labels, child in self._labelled():
             m.add_sample(self.name + "_total", labels, child.value)
             m.add_sample(self.name + "_created", labels, child.created)
         yield m
 
 
-class TallyHistogram(_Family):
+class TallyHistogram(_Family[TallySpread]):
     """A histogram family (prometheus_client's ``Histogram``: the same name, help, labels and samples)."""
 
     _type = "histogram"
@@ -126,18 +138,10 @@ class TallyHistogram(_Family):
         bounds = tuple(float(b) for b in buckets)
         self._bounds = bounds if bounds[-1] == math.inf else (*bounds, math.inf)
         self._les = tuple(_le(b) for b in self._bounds)
-        self._children: dict[tuple[str, ...], TallySpread] = {}
         super().__init__(name, documentation, labelnames, registry)
-        if not self.labelnames:
-            self._only = self.labels()
 
-    def labels(self, *values: str) -> TallySpread:
-        if len(values) != len(self.labelnames):
-            raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
-        child = self._children.get(values)
-        if child is None:
-            child = self._children[values] = TallySpread(self._bounds)
-        return child
+    def _new_child(self) -> TallySpread:
+        return TallySpread(self._bounds)
 
     def observe(self, value: float) -> None:
         """An unlabelled histogram's observation."""
@@ -145,8 +149,7 @@ class TallyHistogram(_Family):
 
     def collect(self) -> Iterator[Metric]:
         m = Metric(self.name, self.documentation, self._type)
-        for values, child in list(self._children.items()):
-            labels = dict(zip(self.labelnames, values, strict=True))
+        for labels, child in self._labelled():
             total = 0
             for le, count in zip(self._les, child.counts, strict=True):
                 total += count
