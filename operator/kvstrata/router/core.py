@@ -40,6 +40,7 @@ from kvstrata.router.scoring import (
     EXPLAIN_BEFORE_BOUNDED,
     BoundedLoadFilter,
     FitScorer,
+    NativePick,
     Outcome,
     Ranked,
     RecentScorer,
@@ -160,6 +161,8 @@ class Router:
         self.chunk_chars = settings.approx_chunk_chars or 4 * settings.block_size
         self.scorers: list[tuple[Scorer, float]] = build_scorers(settings)
         self.pick = picker(self.scorers)
+        if not isinstance(self.pick, NativePick):
+            log.info("ranking in Python: a weighted scorer has no native twin (a plugin or a subclass)")
         self.bounded = BoundedLoadFilter(settings.bounded_load_factor, settings.bounded_load_slack)
         self.share = ShareBoundFilter(
             settings.share_bound_factor,

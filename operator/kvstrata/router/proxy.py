@@ -58,6 +58,7 @@ from kvstrata.router.patience import last_try_patience
 from kvstrata.router.pool import Endpoint, PrefillTicket
 from kvstrata.router.reasons import Reason
 from kvstrata.router.requests import BadRequest, Kind, parse_request
+from kvstrata.router.scoring import NativePick
 from kvstrata.router.upstream import ConnectFailed, ConnectTimedOut, Disconnected, Response, Upstream
 
 log = logging.getLogger("kvstrata.router.proxy")
@@ -781,6 +782,8 @@ class Proxy:
                 "plane": router.settings.data_plane,
                 "nativeTries": self.native_tries,
                 "resumedInPython": self.resumed,
+                # "python" when a weighted scorer has no native twin (a plugin): the ranking costs more.
+                "ranking": "native" if isinstance(router.pick, NativePick) else "python",
             },
         }
         return web.json_response(body)

@@ -597,6 +597,6 @@ async def test_the_state_says_which_plane_made_each_try(
     async with h.client.get(h.base + "/kvstrata/state") as resp:
         plane = (await resp.json())["dataPlane"]
     if h.svc.settings.data_plane == "native":
-        assert plane == {"plane": "native", "nativeTries": 2, "resumedInPython": 1}
+        assert plane == {"plane": "native", "nativeTries": 2, "resumedInPython": 1, "ranking": "native"}
     else:
-        assert plane == {"plane": "python", "nativeTries": 0, "resumedInPython": 0}
+        assert plane == {"plane": "python", "nativeTries": 0, "resumedInPython": 0, "ranking": "native"}
