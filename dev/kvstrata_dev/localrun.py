@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from kvstrata_dev.localcluster.layout import Layout, free_port
+from kvstrata_dev.localcluster.layout import Layout, service_port
 from kvstrata_dev.localcluster.session import LocalCluster
 from kvstrata_dev.repo import CHART
 
@@ -85,8 +85,10 @@ def install_chart(
     values: dict[str, Any] | None = None,
     timeout: str = "120s",
 ) -> Install:
-    """`helm upgrade --install` with free ports for webhook, metrics and health."""
-    ports = {"webhook": free_port(), "metrics": free_port(), "health": free_port()}
+    """`helm upgrade --install` with ports for webhook, metrics and health that no other socket gets meanwhile."""
+    ports: dict[str, int] = {}
+    for name in ("webhook", "metrics", "health"):
+        ports[name] = service_port(taken=ports.values())
     merged: dict[str, Any] = {
         "webhook": {"port": ports["webhook"]},
         "metrics": {"port": ports["metrics"]},

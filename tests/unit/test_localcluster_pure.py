@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
-from kvstrata_dev.localcluster import build, harness, manifests
-from kvstrata_dev.localcluster.layout import choose_ports, port_is_free
+from kvstrata_dev.localcluster import build, harness, layout, manifests
+from kvstrata_dev.localcluster.layout import choose_ports, port_is_free, service_port
 
 KUBERNETES_GO_MOD = """module k8s.io/kubernetes
 
@@ -138,3 +139,24 @@ def test_busy_preferred_port_is_replaced() -> None:
     assert ports["a"] != busy
     assert ports["b"] not in (busy, ports["a"])
     assert all(port_is_free(p) for p in ports.values())
+
+
+def test_service_ports_stay_below_the_ephemeral_range_and_skip_taken_ones() -> None:
+    """A server's port chosen ahead of its bind must be one the kernel never hands out by itself."""
+    low = layout._ephemeral_low()
+    picks = [service_port(rng=random.Random(seed)) for seed in range(50)]
+    assert all(layout._SERVICE_PORTS_FROM <= p < low for p in picks)
+    first = service_port(rng=random.Random(7))
+    again = service_port(taken=[first], rng=random.Random(7))
+    assert again != first
+
+
+def test_service_port_skips_a_port_bound_on_any_address() -> None:
+    import socket
+
+    rng_seed = 11
+    wanted = service_port(rng=random.Random(rng_seed))
+    with socket.socket() as s:
+        s.bind(("127.10.1.2", wanted))  # another address than the check's own: still a conflict
+        s.listen()
+        assert service_port(rng=random.Random(rng_seed)) != wanted

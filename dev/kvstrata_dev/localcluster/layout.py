@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import random
 import socket
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -117,16 +119,46 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now, from the kernel's ephemeral range: fine for a socket bound at once, racy for one
+    that a server binds later (`service_port`)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+# Below the kernel's ephemeral range and above the well-known ports: see `service_port`.
+_SERVICE_PORTS_FROM = 10000
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def service_port(taken: Collection[int] = (), rng: random.Random | None = None) -> int:
+    """A port for a server that binds it later, possibly on another address (an operator on its pod IP).
+
+    A port from `free_port` is in the ephemeral range, so between the check and the server's bind the
+    kernel may hand it to any outgoing connection or port-0 bind (a clean-clone CI run lost the
+    operator's webhook port that way: EADDRINUSE on 127.10.1.2). The kernel never picks a port below
+    that range on its own, so one chosen there stays free unless somebody names it."""
+    pick = rng or random.SystemRandom()
+    high = _ephemeral_low() - 1
+    for _ in range(1000):
+        port = pick.randint(_SERVICE_PORTS_FROM, high)
+        if port not in taken and port not in PREFERRED_PORTS.values() and port_is_free(port, "0.0.0.0"):
+            return port
+    raise RuntimeError(f"no free port in {_SERVICE_PORTS_FROM}-{high}")
 
 
 def choose_ports(preferred: dict[str, int] = PREFERRED_PORTS) -> dict[str, int]:
     chosen: dict[str, int] = {}
     for name, port in preferred.items():
         candidate = port
-        while candidate in chosen.values() or not port_is_free(candidate):
-            candidate = free_port()
+        if candidate in chosen.values() or not port_is_free(candidate):
+            candidate = service_port(taken=chosen.values())
         chosen[name] = candidate
     return chosen
