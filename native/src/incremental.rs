@@ -25,6 +25,7 @@ use pyo3::types::PyBytes;
 use rustc_hash::{FxHashMap, FxHasher};
 use tokenizers::Tokenizer;
 
+use crate::bytelevel::FastByteLevel;
 use crate::digests;
 
 // The Python encoder's constants, in bytes where it counts characters (the same for ASCII prompts).
@@ -191,10 +192,20 @@ pub struct Encoder {
     first_chunk: usize,
     max_cached: usize,
     inner: Mutex<Inner>,
+    // Pieces without special tokens, ASCII and free of added tokens, split by hand (src/bytelevel.rs)
+    // where the tokenizer is GPT-2's byte-level BPE; with the tokenizer's own added tokens.
+    fast: Option<(FastByteLevel, Option<AhoCorasick>)>,
 }
 
 impl Encoder {
     fn ids(&self, text: &str, add_special: bool) -> PyResult<Vec<u32>> {
+        if let (false, Some((fast, added))) = (add_special, &self.fast) {
+            if added.as_ref().is_none_or(|ac| !ac.is_match(text)) {
+                if let Some(got) = fast.ids(self.tok.get_model(), text) {
+                    return got.map_err(|e| PyRuntimeError::new_err(format!("tokenizer: {e}")));
+                }
+            }
+        }
         self.tok
             .encode_fast(text, add_special)
             .map(|e| e.get_ids().to_vec())
@@ -589,6 +600,26 @@ impl Encoder {
             (vec![], vec![])
         };
         let chunk = chunk_chars.max(1);
+        let fast = match FastByteLevel::of(&tok) {
+            None => None,
+            Some(fast) => {
+                let own: Vec<String> = tok
+                    .get_added_tokens_decoder()
+                    .into_values()
+                    .map(|t| t.content)
+                    .filter(|c| !c.is_empty())
+                    .collect();
+                let ac = if own.is_empty() {
+                    None
+                } else {
+                    Some(
+                        AhoCorasick::new(&own)
+                            .map_err(|e| PyValueError::new_err(format!("added tokens: {e}")))?,
+                    )
+                };
+                Some((fast, ac))
+            }
+        };
         Ok(Encoder {
             tok,
             enabled,
@@ -612,6 +643,7 @@ impl Encoder {
                 recent: LinkedHashMap::new(),
                 recent_bytes: 0,
             }),
+            fast,
         })
     }
 
@@ -692,6 +724,17 @@ impl Encoder {
             out.extend(self.suffix.iter().map(|&i| i as u32));
             Ok(out)
         })
+    }
+
+    /// The ids of one piece between cuts (no special tokens), as the encoder tokenizes it.
+    fn piece_ids(&self, py: Python<'_>, text: &str) -> PyResult<Vec<u32>> {
+        detach(py, text.len(), || self.ids(text, false))
+    }
+
+    /// Whether pieces are split by hand (src/bytelevel.rs) where they can be.
+    #[getter]
+    fn fast_pieces(&self) -> bool {
+        self.fast.is_some()
     }
 
     /// (cached chunks, bytes of chunk keys cached, remembered long prompts).

@@ -6,6 +6,7 @@
 //! Hashes come in as the router's ``array('Q')`` chains, read in place through the buffer protocol, or
 //! as any sequence of ints (KV events), converted.
 
+mod bytelevel;
 mod digests;
 mod followups;
 mod front;

@@ -38,6 +38,14 @@ from kvstrata.router.incremental import (
 
 log = logging.getLogger("kvstrata.router.incremental")
 
+# Every ASCII character, and the GPT-2 split's edges: whitespace runs before a word and at the end, \v
+# and \f (whitespace) beside \x1c-\x1f (not), contractions and quotes that are not.
+_ASCII_EDGES = (
+    "".join(map(chr, range(128))),
+    " \t\x0b\x0c\r\n  x\x1c\x1f y  \n\n z\t\tw ",
+    "it's they'RE ''s 'x 'll've 12ab34?! a.'s x'",
+)
+
 
 class NativeIncrementalEncoder:
     """:class:`incremental.IncrementalEncoder`'s interface over the native encoder. Sizes are in UTF-8
@@ -89,12 +97,18 @@ class NativeIncrementalEncoder:
 
     def agrees(self, texts: Sequence[str]) -> bool:
         """Every text gives the engine's ids by a native whole encode and, where prompts may be cut, by
-        native chunks cut as finely as possible."""
+        native chunks cut as finely as possible; and pieces split by hand (``fast_pieces``) give the
+        engine's ids on every ASCII character and the GPT-2 split's edge cases."""
         for text in texts:
             for t in (text, text * 3):
                 want = self.engine_ids(t)
                 if self._core.full_ids(t) != want or (self.enabled and self._core.chunked_ids(t, 1) != want):
                     log.warning("the native tokenizer differs from the engine's on %r", t[:80])
+                    return False
+        if self._core.fast_pieces:
+            for t in _ASCII_EDGES:
+                if self._core.piece_ids(t) != self.tokenizer.encode(t, add_special_tokens=False).ids:
+                    log.warning("the native split of ASCII pieces differs from the engine's on %r", t[:80])
                     return False
         return True
 
@@ -121,6 +135,8 @@ class NativeIncrementalEncoder:
             "reason": self.proof.reason,
             "enabled": self.enabled,
             "native": True,
+            # Pieces split by hand where the tokenizer is GPT-2's byte-level BPE (native/src/bytelevel.rs).
+            "fastPieces": self._core.fast_pieces,
             "chunks": chunks,
             "cachedBytes": cached,
             "recentPrompts": recent,

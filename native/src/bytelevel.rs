@@ -1,0 +1,198 @@
+//! GPT-2's byte-level pre-tokenizer for ASCII text, without the `tokenizers` pipeline's objects.
+//!
+//! The incremental encoder tokenizes a prompt's new tail on every request: a few dozen characters. There
+//! the pipeline's fixed cost dominates: its Oniguruma pass of the GPT-2 regex, the normalized and
+//! pre-tokenized strings with their alignments, and an `Encoding` with every token's string and offsets
+//! (about 11 µs for 23 characters in the Python package, 6.5 of them the pre-tokenizer). For ASCII text
+//! with no added token in it, the regex's split is a few comparisons per byte, so this module splits
+//! it by hand and asks the tokenizer's own BPE model (and its cache) for each word's ids. Anything else
+//! (other characters, an added token, a normalizer, dropout, truncation or padding) goes through the
+//! pipeline as before: [`FastByteLevel::of`] and [`FastByteLevel::ids`] say None. The router's start-up
+//! self-check and `tests/unit/router/test_router_bytelevel.py` compare both with the Python package.
+
+use tokenizers::models::ModelWrapper;
+use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+use tokenizers::{Model, Tokenizer};
+
+/// The pipeline's shortcut for one tokenizer (see the module doc).
+pub struct FastByteLevel {
+    prefix_space: bool,
+    chars: [char; 256],
+}
+
+/// GPT-2's bytes-to-unicode table (`tokenizers`' `bytes_char`): printable bytes map to themselves, the
+/// others to 256 and up in byte order.
+fn byte_chars() -> [char; 256] {
+    let printable = |b: u8| (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || b >= 0xAE;
+    let mut out = ['\0'; 256];
+    let mut n = 0u32;
+    for b in 0..=255u8 {
+        out[b as usize] = if printable(b) {
+            char::from(b)
+        } else {
+            n += 1;
+            char::from_u32(255 + n).expect("256..=511 are chars")
+        };
+    }
+    out
+}
+
+/// The regex's `\s` on ASCII (Unicode White_Space: tab to carriage return, and space).
+fn is_space(b: u8) -> bool {
+    matches!(b, b'\t'..=b'\r' | b' ')
+}
+
+/// The regex's classes on ASCII: letter (`\p{L}`), digit (`\p{N}`), or neither and not `\s`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Class {
+    Letter,
+    Digit,
+    Other,
+    Space,
+}
+
+fn class(b: u8) -> Class {
+    if b.is_ascii_alphabetic() {
+        Class::Letter
+    } else if b.is_ascii_digit() {
+        Class::Digit
+    } else if is_space(b) {
+        Class::Space
+    } else {
+        Class::Other
+    }
+}
+
+/// Calls `word` with each match of `'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+`
+/// over ASCII `t`, in order: the alternatives are tried left to right at each position, as the
+/// backtracking engine does, and together the matches cover `t`.
+pub fn split_gpt2(t: &[u8], mut word: impl FnMut(&[u8])) {
+    let n = t.len();
+    let run =
+        |from: usize, c: Class| from + t[from..].iter().take_while(|&&b| class(b) == c).count();
+    let mut i = 0;
+    while i < n {
+        let b = t[i];
+        if b == b'\'' && i + 1 < n {
+            let rest = &t[i + 1..];
+            let len =
+                if rest.starts_with(b"re") || rest.starts_with(b"ve") || rest.starts_with(b"ll") {
+                    2
+                } else if matches!(rest[0], b's' | b't' | b'm' | b'd') {
+                    1
+                } else {
+                    0
+                };
+            if len > 0 {
+                word(&t[i..i + 1 + len]);
+                i += 1 + len;
+                continue;
+            }
+        }
+        // ` ?X+` for the three classes: an optional space, then a run of one class.
+        let j = if b == b' ' { i + 1 } else { i };
+        if j < n {
+            let c = class(t[j]);
+            if c != Class::Space {
+                let end = run(j, c);
+                word(&t[i..end]);
+                i = end;
+                continue;
+            }
+        }
+        // Whitespace: `\s+(?!\S)` takes the run but for its last space when a non-space follows it;
+        // `\s+` a single space followed by a non-space.
+        let end = run(i, Class::Space);
+        let take = if end == n || end - i == 1 {
+            end
+        } else {
+            end - 1
+        };
+        word(&t[i..take]);
+        i = take;
+    }
+}
+
+impl FastByteLevel {
+    /// The shortcut for `tok`, or None when its pipeline does more than GPT-2's split and a BPE model.
+    pub fn of(tok: &Tokenizer) -> Option<Self> {
+        let Some(PreTokenizerWrapper::ByteLevel(bl)) = tok.get_pre_tokenizer() else {
+            return None;
+        };
+        let ModelWrapper::BPE(bpe) = tok.get_model() else {
+            return None;
+        };
+        let plain = tok.get_normalizer().is_none()
+            && tok.get_truncation().is_none()
+            && tok.get_padding().is_none()
+            && bpe.dropout.is_none()
+            && bl.use_regex;
+        plain.then(|| FastByteLevel {
+            prefix_space: bl.add_prefix_space,
+            chars: byte_chars(),
+        })
+    }
+
+    /// The ids the pipeline gives `text` without special tokens, or None when `text` is not one this
+    /// shortcut knows (empty, not ASCII: the caller also leaves out text with an added token in it).
+    pub fn ids(&self, model: &ModelWrapper, text: &str) -> Option<tokenizers::Result<Vec<u32>>> {
+        if text.is_empty() || !text.is_ascii() {
+            return None;
+        }
+        let mut t = text.as_bytes();
+        let spaced: Vec<u8>;
+        if self.prefix_space && t[0] != b' ' {
+            spaced = [b" ", t].concat();
+            t = &spaced;
+        }
+        let mut ids = Vec::with_capacity(t.len() / 3 + 1);
+        let mut mapped = String::new();
+        let mut failed = None;
+        split_gpt2(t, |w| {
+            if failed.is_some() {
+                return;
+            }
+            mapped.clear();
+            mapped.extend(w.iter().map(|&b| self.chars[b as usize]));
+            match model.tokenize(&mapped) {
+                Ok(tokens) => ids.extend(tokens.iter().map(|tk| tk.id)),
+                Err(e) => failed = Some(e),
+            }
+        });
+        Some(match failed {
+            None => Ok(ids),
+            Some(e) => Err(e),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn words(s: &str) -> Vec<String> {
+        let mut out = vec![];
+        split_gpt2(s.as_bytes(), |w| {
+            out.push(String::from_utf8(w.to_vec()).unwrap())
+        });
+        out
+    }
+
+    #[test]
+    fn splits_as_the_gpt2_regex() {
+        assert_eq!(words("Hello world"), ["Hello", " world"]);
+        assert_eq!(words("it's  x"), ["it", "'s", " ", " x"]);
+        assert_eq!(words("a\t\tb"), ["a", "\t", "\t", "b"]);
+        assert_eq!(words("''s 12ab?!"), ["''", "s", " 12", "ab", "?!"]);
+        assert_eq!(words("end  "), ["end", "  "]);
+        assert_eq!(words("\n x"), ["\n", " x"]);
+    }
+
+    #[test]
+    fn the_table_is_gpt2s() {
+        let c = byte_chars();
+        assert_eq!(c[b'a' as usize], 'a');
+        assert_eq!(c[b' ' as usize], 'Ġ');
+        assert_eq!(c[b'\n' as usize], 'Ċ');
+    }
+}
