@@ -48,6 +48,7 @@ from kvstrata.router.scoring import (
     Scorer,
     ShareBoundFilter,
     build_scorers,
+    hooked,
     picker,
 )
 from kvstrata.router.workpool import PoolBusy, WorkPools
@@ -161,6 +162,8 @@ class Router:
         self.chunk_chars = settings.approx_chunk_chars or 4 * settings.block_size
         self.scorers: list[tuple[Scorer, float]] = build_scorers(settings)
         self.pick = picker(self.scorers)
+        self._on_routed = hooked(self.scorers, "on_routed")
+        self._on_hashed = hooked(self.scorers, "on_hashed")
         if not isinstance(self.pick, NativePick):
             log.info("ranking in Python: a weighted scorer has no native twin (a plugin or a subclass)")
         self.bounded = BoundedLoadFilter(settings.bounded_load_factor, settings.bounded_load_slack)
@@ -634,7 +637,7 @@ class Router:
         if ep is None or not decision.routed:
             return
         now = time.monotonic()
-        for scorer, _ in self.scorers:
+        for scorer in self._on_hashed:
             scorer.on_hashed(ep, now, hashes)
         if self.tracker is not None:
             self.tracker.rehashed(ep.url, now, leading, hashes)
@@ -738,9 +741,10 @@ class Router:
         if decision.routed:
             now = time.monotonic()
             hashes = () if decision.approximate else decision.hashes
-            for scorer, _ in self.scorers:
+            for scorer in self._on_routed:
                 scorer.on_routed(ep, now, hashes)
-            self.share.on_routed(ep, now)
+            if self.share.factor is not None:  # off, it reads no counts
+                self.share.on_routed(ep, now)
             if self.tracker is not None:
                 self.tracker.routed(ep.url, now, hashes)
         if not decision.hashes:

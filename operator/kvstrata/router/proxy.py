@@ -405,16 +405,25 @@ class Proxy:
     def _decision_headers(self, call: _Call, ep: Endpoint, t0: float) -> dict[str, str]:
         """The decision and its cost: tries, and the answering engine's time to the first byte
         (Envoy's x-envoy-upstream-service-time), so a client can tell queueing upstream from failover."""
-        decision = call.decision
         return {
             "x-kvstrata-attempts": str(call.tries),
             "x-kvstrata-upstream-ms": str(round((time.perf_counter() - t0) * 1000)),
-            "x-kvstrata-endpoint": ep.url,
-            "x-kvstrata-predicted-cached-tokens": str(decision.predicted_cached_tokens(ep, self.block_size)),
-            "x-kvstrata-reason": decision.reason,
-            "x-kvstrata-admission": call.grant.how,
-            "x-kvstrata-held-ms": str(round(call.grant.held_s * 1000)),
+            **dict(self._decision_only_headers(call, ep)),
         }
+
+    def _decision_only_headers(self, call: _Call, ep: Endpoint) -> list[tuple[str, str]]:
+        """:meth:`_decision_headers` but for the try's count and time (the native front says those)."""
+        decision = call.decision
+        return [
+            ("x-kvstrata-endpoint", ep.url),
+            (
+                "x-kvstrata-predicted-cached-tokens",
+                str(decision.predicted_cached_tokens(ep, self.block_size)),
+            ),
+            ("x-kvstrata-reason", decision.reason),
+            ("x-kvstrata-admission", call.grant.how),
+            ("x-kvstrata-held-ms", str(round(call.grant.held_s * 1000))),
+        ]
 
     def _any_live(self, eps: list[Endpoint]) -> bool:
         """Whether any of ``eps`` is in rotation and not silent (Router.heard)."""
@@ -657,9 +666,8 @@ class Proxy:
             return self._keep(call, st)
         t = self._start_try(call, ep)
         self.native_tries += 1
-        headers = self._decision_headers(call, ep, t.t0)
-        del headers["x-kvstrata-attempts"], headers["x-kvstrata-upstream-ms"]  # the front's to say
-        return Go("go", NativeTry(call, st, t), ep.url, call.stream, is_last, list(headers.items()))
+        headers = self._decision_only_headers(call, ep)
+        return Go("go", NativeTry(call, st, t), ep.url, call.stream, is_last, headers)
 
     def _keep(self, call: _Call, st: _TryState) -> Resume:
         token = secrets.token_urlsafe(18)

@@ -644,8 +644,9 @@ class NativePick:
 
     def __call__(self, req: RouteRequest, eps: Sequence[Endpoint]) -> list[Ranked]:
         order, totals, rows = self._ranker.rank(req, eps if isinstance(eps, list) else list(eps))
-        names = self._names
-        return [Ranked(eps[i], totals[i], dict(zip(names, rows[i]))) for i in order]  # noqa: B905
+        names, new = self._names, tuple.__new__
+        # tuple.__new__, not Ranked(...): a NamedTuple's own __new__ is a Python function.
+        return [new(Ranked, (eps[i], totals[i], dict(zip(names, rows[i])))) for i in order]  # noqa: B905
 
 
 class _Native(IntEnum):
@@ -717,6 +718,13 @@ SCORERS: dict[str, ScorerFactory] = {
 # kv-aware policy reports itself); bounded load, a filter, is asked between session and prefill.
 EXPLAIN_BEFORE_BOUNDED = ("session",)
 EXPLAIN_AFTER_BOUNDED = ("prefill", "fit", "evicts", "history", "recent", "cache_room")
+
+
+def hooked(scorers: Sequence[tuple[Scorer, float]], hook: str) -> list[Scorer]:
+    """The scorers whose ``hook`` (``on_routed``, ``on_hashed``) does something: a request calls each
+    hook once per scorer, and most scorers keep :class:`ScorerHooks`' no-op."""
+    noop = getattr(ScorerHooks, hook)
+    return [s for s, _ in scorers if getattr(type(s), hook, None) is not noop]
 
 
 def scorer_weight(name: str, settings: RouterSettings) -> float:

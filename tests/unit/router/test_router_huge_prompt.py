@@ -30,6 +30,10 @@ _WORDS = [
     "and",
     "4567",
     "follow",
+    # Not ASCII: the pieces go through the tokenizer's whole pipeline, not the byte-level shortcut
+    # (native/src/bytelevel.rs), so the huge prompt takes long enough for the order to show a hold-up.
+    "naïve",
+    "café",
 ]
 
 
