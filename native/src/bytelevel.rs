@@ -1,21 +1,47 @@
-//! GPT-2's byte-level pre-tokenizer for ASCII text, without the `tokenizers` pipeline's objects.
+//! The byte-level pre-tokenizers' splits for ASCII text, without the `tokenizers` pipeline's objects:
+//! GPT-2's (`ByteLevel` with its regex) and Llama 3's and Qwen2's (`Split` on their regex, then
+//! `ByteLevel` without one).
 //!
 //! The incremental encoder tokenizes a prompt's new tail on every request: a few dozen characters. There
-//! the pipeline's fixed cost dominates: its Oniguruma pass of the GPT-2 regex, the normalized and
+//! the pipeline's fixed cost dominates: its Oniguruma pass of the split regex, the normalized and
 //! pre-tokenized strings with their alignments, and an `Encoding` with every token's string and offsets
 //! (about 11 µs for 23 characters in the Python package, 6.5 of them the pre-tokenizer). For ASCII text
 //! with no added token in it, the regex's split is a few comparisons per byte, so this module splits
 //! it by hand and asks the tokenizer's own BPE model (and its cache) for each word's ids. Anything else
-//! (other characters, an added token, a normalizer, dropout, truncation or padding) goes through the
-//! pipeline as before: [`FastByteLevel::of`] and [`FastByteLevel::ids`] say None. The router's start-up
-//! self-check and `tests/unit/router/test_router_bytelevel.py` compare both with the Python package.
+//! (other characters, an added token, a normalizer, another pre-tokenizer or pattern, dropout,
+//! truncation or padding) goes through the pipeline as before: [`FastByteLevel::of`] and
+//! [`FastByteLevel::ids`] say None. The router's start-up self-check and
+//! `tests/unit/router/test_router_bytelevel.py` compare both with the Python package.
 
 use tokenizers::models::ModelWrapper;
+use tokenizers::pre_tokenizers::split::SplitPattern;
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
-use tokenizers::{Model, Tokenizer};
+use tokenizers::{Model, SplitDelimiterBehavior, Tokenizer};
+
+// router/incremental.py's LLAMA3_PATTERN and QWEN2_PATTERN: a `Split` on exactly one of these is split
+// by hand; any other pattern goes through the pipeline.
+const LLAMA3_PATTERN: &str = concat!(
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*",
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+);
+const QWEN2_PATTERN: &str = concat!(
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*",
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+);
+
+/// Which regex splits the text.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Pattern {
+    Gpt2,
+    /// Llama 3's (`digits` 3: `\p{N}{1,3}`) or Qwen2's (1: `\p{N}`).
+    Llama3 {
+        digits: usize,
+    },
+}
 
 /// The pipeline's shortcut for one tokenizer (see the module doc).
 pub struct FastByteLevel {
+    pattern: Pattern,
     prefix_space: bool,
     chars: [char; 256],
 }
@@ -113,11 +139,114 @@ pub fn split_gpt2(t: &[u8], mut word: impl FnMut(&[u8])) {
     }
 }
 
+/// Calls `word` with each match of Llama 3's pattern over ASCII `t` (Qwen2's with `digits` 1), as
+/// [`split_gpt2`] does GPT-2's: `(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|
+/// ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+`.
+pub fn split_llama3(t: &[u8], digits: usize, mut word: impl FnMut(&[u8])) {
+    let n = t.len();
+    let run =
+        |from: usize, c: Class| from + t[from..].iter().take_while(|&&b| class(b) == c).count();
+    let newline = |b: u8| b == b'\r' || b == b'\n';
+    let mut i = 0;
+    while i < n {
+        let b = t[i];
+        if b == b'\'' && i + 1 < n {
+            let rest = &t[i + 1..];
+            let two = rest.len() >= 2 && {
+                let p = [rest[0].to_ascii_lowercase(), rest[1].to_ascii_lowercase()];
+                matches!(&p, b"re" | b"ve" | b"ll")
+            };
+            let len = if two {
+                2
+            } else if matches!(rest[0].to_ascii_lowercase(), b's' | b't' | b'm' | b'd') {
+                1
+            } else {
+                0
+            };
+            if len > 0 {
+                word(&t[i..i + 1 + len]);
+                i += 1 + len;
+                continue;
+            }
+        }
+        let c = class(b);
+        // `[^\r\n\p{L}\p{N}]?\p{L}+`: letters, after at most one character that is neither a newline,
+        // a letter nor a digit.
+        if c == Class::Letter {
+            let end = run(i, Class::Letter);
+            word(&t[i..end]);
+            i = end;
+            continue;
+        }
+        if c != Class::Digit && !newline(b) && i + 1 < n && class(t[i + 1]) == Class::Letter {
+            let end = run(i + 1, Class::Letter);
+            word(&t[i..end]);
+            i = end;
+            continue;
+        }
+        // `\p{N}{1,digits}`.
+        if c == Class::Digit {
+            let end = run(i, Class::Digit).min(i + digits);
+            word(&t[i..end]);
+            i = end;
+            continue;
+        }
+        // ` ?[^\s\p{L}\p{N}]+[\r\n]*`.
+        let j = if b == b' ' { i + 1 } else { i };
+        if j < n && class(t[j]) == Class::Other {
+            let mut end = run(j, Class::Other);
+            end += t[end..].iter().take_while(|&&b| newline(b)).count();
+            word(&t[i..end]);
+            i = end;
+            continue;
+        }
+        // Whitespace from here on (`c` is Space). `\s*[\r\n]+`: up to the run's last newline.
+        let end = run(i, Class::Space);
+        if let Some(last) = t[i..end].iter().rposition(|&b| newline(b)) {
+            word(&t[i..i + last + 1]);
+            i += last + 1;
+            continue;
+        }
+        // `\s+(?!\S)`, then `\s+`, as in GPT-2's.
+        let take = if end == n || end - i == 1 {
+            end
+        } else {
+            end - 1
+        };
+        word(&t[i..take]);
+        i = take;
+    }
+}
+
+/// The pattern of a `Split` pre-tokenizer that this module splits by hand.
+fn known_split(pattern: &SplitPattern) -> Option<Pattern> {
+    match pattern {
+        SplitPattern::Regex(p) if p == LLAMA3_PATTERN => Some(Pattern::Llama3 { digits: 3 }),
+        SplitPattern::Regex(p) if p == QWEN2_PATTERN => Some(Pattern::Llama3 { digits: 1 }),
+        _ => None,
+    }
+}
+
 impl FastByteLevel {
-    /// The shortcut for `tok`, or None when its pipeline does more than GPT-2's split and a BPE model.
+    /// The shortcut for `tok`, or None when its pipeline does more than a known byte-level split and a
+    /// BPE model.
     pub fn of(tok: &Tokenizer) -> Option<Self> {
-        let Some(PreTokenizerWrapper::ByteLevel(bl)) = tok.get_pre_tokenizer() else {
-            return None;
+        let (pattern, prefix_space) = match tok.get_pre_tokenizer()? {
+            PreTokenizerWrapper::ByteLevel(bl) if bl.use_regex => {
+                (Pattern::Gpt2, bl.add_prefix_space)
+            }
+            PreTokenizerWrapper::Sequence(seq) => match seq.as_ref() {
+                [PreTokenizerWrapper::Split(split), PreTokenizerWrapper::ByteLevel(bl)]
+                    if !bl.use_regex
+                        && !bl.add_prefix_space
+                        && !split.invert
+                        && split.behavior == SplitDelimiterBehavior::Isolated =>
+                {
+                    (known_split(&split.pattern)?, false)
+                }
+                _ => return None,
+            },
+            _ => return None,
         };
         let ModelWrapper::BPE(bpe) = tok.get_model() else {
             return None;
@@ -125,10 +254,10 @@ impl FastByteLevel {
         let plain = tok.get_normalizer().is_none()
             && tok.get_truncation().is_none()
             && tok.get_padding().is_none()
-            && bpe.dropout.is_none()
-            && bl.use_regex;
+            && bpe.dropout.is_none();
         plain.then(|| FastByteLevel {
-            prefix_space: bl.add_prefix_space,
+            pattern,
+            prefix_space,
             chars: byte_chars(),
         })
     }
@@ -148,7 +277,7 @@ impl FastByteLevel {
         let mut ids = Vec::with_capacity(t.len() / 3 + 1);
         let mut mapped = String::new();
         let mut failed = None;
-        split_gpt2(t, |w| {
+        let each = |w: &[u8]| {
             if failed.is_some() {
                 return;
             }
@@ -158,41 +287,14 @@ impl FastByteLevel {
                 Ok(tokens) => ids.extend(tokens.iter().map(|tk| tk.id)),
                 Err(e) => failed = Some(e),
             }
-        });
+        };
+        match self.pattern {
+            Pattern::Gpt2 => split_gpt2(t, each),
+            Pattern::Llama3 { digits } => split_llama3(t, digits, each),
+        }
         Some(match failed {
             None => Ok(ids),
             Some(e) => Err(e),
         })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn words(s: &str) -> Vec<String> {
-        let mut out = vec![];
-        split_gpt2(s.as_bytes(), |w| {
-            out.push(String::from_utf8(w.to_vec()).unwrap())
-        });
-        out
-    }
-
-    #[test]
-    fn splits_as_the_gpt2_regex() {
-        assert_eq!(words("Hello world"), ["Hello", " world"]);
-        assert_eq!(words("it's  x"), ["it", "'s", " ", " x"]);
-        assert_eq!(words("a\t\tb"), ["a", "\t", "\t", "b"]);
-        assert_eq!(words("''s 12ab?!"), ["''", "s", " 12", "ab", "?!"]);
-        assert_eq!(words("end  "), ["end", "  "]);
-        assert_eq!(words("\n x"), ["\n", " x"]);
-    }
-
-    #[test]
-    fn the_table_is_gpt2s() {
-        let c = byte_chars();
-        assert_eq!(c[b'a' as usize], 'a');
-        assert_eq!(c[b' ' as usize], 'Ġ');
-        assert_eq!(c[b'\n' as usize], 'Ċ');
     }
 }

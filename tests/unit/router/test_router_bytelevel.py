@@ -1,7 +1,7 @@
-"""The native encoder's hand-split pieces (native/src/bytelevel.rs): for GPT-2's byte-level BPE, ASCII
-pieces free of added tokens are split by hand instead of by the tokenizer's pipeline. They must give the
-ids the engine's tokenizer (the Python package) gives, on any ASCII text, and every other piece must
-still go through the pipeline."""
+"""The native encoder's hand-split pieces (native/src/bytelevel.rs): for byte-level BPE tokenizers that
+split by GPT-2's, Llama 3's or Qwen2's regex, ASCII pieces free of added tokens are split by hand
+instead of by the tokenizer's pipeline. They must give the ids the engine's tokenizer (the Python
+package) gives, on any ASCII text, and every other piece must still go through the pipeline."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import pytest
 from test_router_incremental import (
     PROVEN,
     gpt2_prefix_space,
+    llama3_split,
+    qwen2_split,
     tiny_model,
     wordlevel_whitespace_split,
 )
@@ -38,7 +40,15 @@ def _core(tok: Tokenizer) -> object:
     return NativeIncrementalEncoder(tok, add_special_tokens=False, block_size=4)._core
 
 
-@pytest.mark.parametrize("make", [tiny_model, gpt2_prefix_space], ids=["gpt2", "gpt2 prefix space"])
+_FAST = {
+    "byte-level-bpe/gpt2+bpe": tiny_model,
+    "byte-level-bpe/gpt2+bpe prefix space": gpt2_prefix_space,
+    "byte-level-bpe/llama3+bpe": llama3_split,
+    "byte-level-bpe/qwen2+bpe": qwen2_split,
+}
+
+
+@pytest.mark.parametrize("make", list(_FAST.values()), ids=list(_FAST))
 def test_hand_split_pieces_give_the_engines_ids_on_any_ascii(make: object) -> None:
     tok = make()  # type: ignore[operator]
     core = _core(tok)
@@ -59,9 +69,7 @@ def test_pieces_with_an_added_token_or_other_characters_go_through_the_pipeline(
         assert core.piece_ids(text) == tok.encode(text, add_special_tokens=False).ids, text  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize(
-    "name", sorted(set(PROVEN) - {"byte-level-bpe/gpt2+bpe", "byte-level-bpe/gpt2+bpe prefix space"})
-)
+@pytest.mark.parametrize("name", sorted(set(PROVEN) - set(_FAST)))
 def test_other_families_keep_the_pipeline(name: str) -> None:
     tok = PROVEN[name]()
     core = _core(tok)
@@ -71,10 +79,18 @@ def test_other_families_keep_the_pipeline(name: str) -> None:
 
 
 def test_a_normalizer_or_dropout_keeps_the_pipeline() -> None:
-    from tokenizers import normalizers
+    from tokenizers import Regex, normalizers, pre_tokenizers
 
     tok = tiny_model()
     tok.normalizer = normalizers.Lowercase()
+    assert not _core(tok).fast_pieces  # type: ignore[attr-defined]
+    tok = llama3_split()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(  # a Split on a pattern not known to the shortcut
+        [
+            pre_tokenizers.Split(Regex(r"\p{L}+|\s+|."), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     assert not _core(tok).fast_pieces  # type: ignore[attr-defined]
     tok = tiny_model()
     tok.model.dropout = 0.5  # random merges: only the pipeline may apply them
