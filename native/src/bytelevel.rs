@@ -126,16 +126,20 @@ pub fn split_gpt2(t: &[u8], mut word: impl FnMut(&[u8])) {
                 continue;
             }
         }
-        // Whitespace: `\s+(?!\S)` takes the run but for its last space when a non-space follows it;
-        // `\s+` a single space followed by a non-space.
-        let end = run(i, Class::Space);
-        let take = if end == n || end - i == 1 {
-            end
-        } else {
-            end - 1
-        };
+        let take = spaces_end(t, i);
         word(&t[i..take]);
         i = take;
+    }
+}
+
+/// Where `\s+(?!\S)|\s+` ends from `i`, a space: the run but for its last space when a non-space
+/// follows it (`\s+(?!\S)`), or a single space followed by a non-space (`\s+`).
+fn spaces_end(t: &[u8], i: usize) -> usize {
+    let end = i + t[i..].iter().take_while(|&&b| is_space(b)).count();
+    if end == t.len() || end - i == 1 {
+        end
+    } else {
+        end - 1
     }
 }
 
@@ -207,12 +211,7 @@ pub fn split_llama3(t: &[u8], digits: usize, mut word: impl FnMut(&[u8])) {
             i += last + 1;
             continue;
         }
-        // `\s+(?!\S)`, then `\s+`, as in GPT-2's.
-        let take = if end == n || end - i == 1 {
-            end
-        } else {
-            end - 1
-        };
+        let take = spaces_end(t, i);
         word(&t[i..take]);
         i = take;
     }

@@ -149,6 +149,10 @@ fn count_chars(b: &[u8]) -> usize {
     b.iter().filter(|&&c| (c as i8) >= -0x40).count() // every byte but UTF-8 continuation bytes
 }
 
+fn tokenizer_error(e: tokenizers::Error) -> PyErr {
+    PyRuntimeError::new_err(format!("tokenizer: {e}"))
+}
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -201,15 +205,56 @@ impl Encoder {
     fn ids(&self, text: &str, add_special: bool) -> PyResult<Vec<u32>> {
         if let (false, Some((fast, added))) = (add_special, &self.fast) {
             if added.as_ref().is_none_or(|ac| !ac.is_match(text)) {
+                if !text.is_ascii() && self.enabled {
+                    return self.mixed_ids(fast, text);
+                }
                 if let Some(got) = fast.ids(self.tok.get_model(), text) {
-                    return got.map_err(|e| PyRuntimeError::new_err(format!("tokenizer: {e}")));
+                    return got.map_err(tokenizer_error);
                 }
             }
         }
+        self.pipeline_ids(text, add_special)
+    }
+
+    fn pipeline_ids(&self, text: &str, add_special: bool) -> PyResult<Vec<u32>> {
         self.tok
             .encode_fast(text, add_special)
             .map(|e| e.get_ids().to_vec())
-            .map_err(|e| PyRuntimeError::new_err(format!("tokenizer: {e}")))
+            .map_err(tokenizer_error)
+    }
+
+    /// The ids of a piece (no special tokens, no added token) with some text that is not ASCII. It is
+    /// cut at every safe cut (where the proof says a cut changes no id), and each stretch between cuts
+    /// that is ASCII is split by hand; the others go through the pipeline, neighbours together. So one
+    /// curly quote or accented name costs its own stretch the pipeline, not the whole chunk (by hand,
+    /// ASCII text tokenizes about 12 times faster: 3.4 against 40.6 ms for 100 KB here).
+    fn mixed_ids(&self, fast: &FastByteLevel, text: &str) -> PyResult<Vec<u32>> {
+        let t = text.as_bytes();
+        let mut bounds = vec![0];
+        bounds.extend(self.cuts(t, 0, Some(1)));
+        bounds.push(t.len());
+        let mut out = Vec::with_capacity(t.len() / 3 + 1);
+        let mut from = 0;
+        let mut ascii = t[..bounds[1]].is_ascii();
+        for ab in bounds.windows(2) {
+            let here = t[ab[0]..ab[1]].is_ascii();
+            if here != ascii {
+                out.extend(self.stretch_ids(fast, &text[from..ab[0]], ascii)?);
+                (from, ascii) = (ab[0], here);
+            }
+        }
+        out.extend(self.stretch_ids(fast, &text[from..], ascii)?);
+        Ok(out)
+    }
+
+    fn stretch_ids(&self, fast: &FastByteLevel, text: &str, ascii: bool) -> PyResult<Vec<u32>> {
+        match ascii
+            .then(|| fast.ids(self.tok.get_model(), text))
+            .flatten()
+        {
+            Some(got) => got.map_err(tokenizer_error),
+            None => self.pipeline_ids(text, false),
+        }
     }
 
     /// The first safe cut in ``[pos, end)``: an ASCII space after an ASCII letter or digit and before an
@@ -511,6 +556,16 @@ impl Encoder {
     }
 }
 
+/// One pass that finds any of `tokens` (non-empty strings) in a text; None for no tokens.
+fn finder(tokens: &[String]) -> PyResult<Option<AhoCorasick>> {
+    if tokens.is_empty() {
+        return Ok(None);
+    }
+    AhoCorasick::new(tokens)
+        .map(Some)
+        .map_err(|e| PyValueError::new_err(format!("added tokens: {e}")))
+}
+
 /// ``f`` with the GIL released when it works on more than [`DETACH_BYTES`].
 fn detach<T: Send>(py: Python<'_>, bytes: usize, f: impl FnOnce() -> T + Send) -> T {
     if bytes > DETACH_BYTES {
@@ -586,14 +641,7 @@ impl Encoder {
             .map_err(|e| PyValueError::new_err(format!("cannot load the tokenizer: {e}")))?;
         let added: Vec<String> = added.into_iter().filter(|a| !a.is_empty()).collect();
         let reach = added.iter().map(|a| a.len()).max().unwrap_or(0) + 1;
-        let ac = if added.is_empty() {
-            None
-        } else {
-            Some(
-                AhoCorasick::new(&added)
-                    .map_err(|e| PyValueError::new_err(format!("added tokens: {e}")))?,
-            )
-        };
+        let ac = finder(&added)?;
         let (prefix, suffix) = if add_special_tokens {
             (prefix, suffix)
         } else {
@@ -609,15 +657,7 @@ impl Encoder {
                     .map(|t| t.content)
                     .filter(|c| !c.is_empty())
                     .collect();
-                let ac = if own.is_empty() {
-                    None
-                } else {
-                    Some(
-                        AhoCorasick::new(&own)
-                            .map_err(|e| PyValueError::new_err(format!("added tokens: {e}")))?,
-                    )
-                };
-                Some((fast, ac))
+                Some((fast, finder(&own)?))
             }
         };
         Ok(Encoder {

@@ -38,12 +38,14 @@ from kvstrata.router.incremental import (
 
 log = logging.getLogger("kvstrata.router.incremental")
 
-# Every ASCII character, and the GPT-2 split's edges: whitespace runs before a word and at the end, \v
-# and \f (whitespace) beside \x1c-\x1f (not), contractions and quotes that are not.
+# Every ASCII character, and the byte-level splits' edges: whitespace runs before a word and at the end,
+# \v and \f (whitespace) beside \x1c-\x1f (not), contractions in either case and quotes that are not,
+# digit runs, punctuation runs before newlines.
 _ASCII_EDGES = (
     "".join(map(chr, range(128))),
     " \t\x0b\x0c\r\n  x\x1c\x1f y  \n\n z\t\tw ",
     "it's they'RE ''s 'x 'll've 12ab34?! a.'s x'",
+    '("hi"?!\n\n 1234567 \tb\rc x\'S',
 )
 
 
@@ -98,7 +100,7 @@ class NativeIncrementalEncoder:
     def agrees(self, texts: Sequence[str]) -> bool:
         """Every text gives the engine's ids by a native whole encode and, where prompts may be cut, by
         native chunks cut as finely as possible; and pieces split by hand (``fast_pieces``) give the
-        engine's ids on every ASCII character and the GPT-2 split's edge cases."""
+        engine's ids on every ASCII character and the splits' edge cases."""
         for text in texts:
             for t in (text, text * 3):
                 want = self.engine_ids(t)
@@ -135,7 +137,8 @@ class NativeIncrementalEncoder:
             "reason": self.proof.reason,
             "enabled": self.enabled,
             "native": True,
-            # Pieces split by hand where the tokenizer is GPT-2's byte-level BPE (native/src/bytelevel.rs).
+            # ASCII pieces split by hand: byte-level BPE with GPT-2's, Llama 3's or Qwen2's split
+            # (native/src/bytelevel.rs).
             "fastPieces": self._core.fast_pieces,
             "chunks": chunks,
             "cachedBytes": cached,

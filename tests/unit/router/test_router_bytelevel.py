@@ -60,6 +60,42 @@ def test_hand_split_pieces_give_the_engines_ids_on_any_ascii(make: object) -> No
         assert core.piece_ids(text) == want, repr(text)  # type: ignore[attr-defined]
 
 
+_OTHER = [
+    "café",
+    "naïve",
+    "’",
+    "“quoted”",
+    "—",
+    "日本語",
+    "😀",
+    "Привет",
+    "x²",
+    "ﬁ",
+    "\u00a0",
+    "\u2028",
+    "é'",
+    "ü12",
+]
+
+
+@pytest.mark.parametrize("make", list(_FAST.values()), ids=list(_FAST))
+def test_pieces_with_other_characters_are_cut_and_still_give_the_engines_ids(make: object) -> None:
+    """A piece with a few characters that are not ASCII is cut at the safe cuts inside it: its ASCII
+    stretches are split by hand, the rest go through the pipeline; together, the engine's ids."""
+    tok = make()  # type: ignore[operator]
+    core = _core(tok)
+    rng = random.Random(9)
+    words = ["the", "quick", "brown", "fox", "it's", "12", "a", "Zq", "?!", "x"]
+    seps = [" ", " ", " ", "  ", "\n", "\t", ", ", ". "]
+    for _ in range(1500):
+        parts = []
+        for _ in range(rng.randint(1, 30)):
+            parts.append(rng.choice(_OTHER) if rng.random() < 0.15 else rng.choice(words))
+            parts.append(rng.choice(seps))
+        text = "".join(parts)
+        assert core.piece_ids(text) == tok.encode(text, add_special_tokens=False).ids, repr(text)  # type: ignore[attr-defined]
+
+
 def test_pieces_with_an_added_token_or_other_characters_go_through_the_pipeline() -> None:
     tok = tiny_model()
     tok.add_special_tokens(["<|user|>"])

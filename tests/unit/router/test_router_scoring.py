@@ -655,3 +655,34 @@ async def test_share_bound_moves_a_group_off_an_engine_that_is_short_of_room_and
     # Off by default (it cost hit rate in the family benchmark): the groups stay, short of room or not.
     seen = await _doubled_traffic(_router("kv-aware"), pool=5)
     assert set(seen) == {("prefix", True)}, seen
+
+
+def test_a_commit_calls_the_hooks_of_exactly_the_scorers_that_have_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The router calls ``on_routed`` and ``on_hashed`` only where a scorer overrides the no-op: the
+    built-in scorers with state, and a plugin's hook (here one that replaces the load scorer)."""
+    from kvstrata.router import scoring
+    from kvstrata.router.decision import Decision
+    from kvstrata.router.reasons import Reason
+
+    seen: list[tuple[str, str]] = []
+
+    class Counting(scoring.LoadScorer):
+        def on_routed(self, ep: Endpoint, now: float, hashes: object = ()) -> None:
+            seen.append(("routed", ep.url))
+
+    monkeypatch.setitem(scoring.SCORERS, "load", lambda s: Counting())
+    r = _router("kv-aware")
+    assert {type(s).__name__ for s in r._on_routed} == {
+        "FitScorer",
+        "RecentScorer",
+        "EvictsScorer",
+        "Counting",
+    }
+    assert {type(s).__name__ for s in r._on_hashed} == {"FitScorer", "EvictsScorer"}
+    ep = r.pool.all()[0]
+    r.commit(Decision([ep], Reason.LOAD, hashes=[1, 2]), ep)
+    assert seen == [("routed", ep.url)]
+    assert _recent(r).recent_requests(ep, time.monotonic()) > 0.9  # a built-in hook ran too
+    r.close()
