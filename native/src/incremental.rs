@@ -43,6 +43,8 @@ const MAX_KEY_LENS: usize = 32;
 /// work (a short prompt on the loop, a few µs) keeps it: giving it up there lets a waiting thread run
 /// first.
 const DETACH_BYTES: usize = 1024;
+// Chunks inserted, or evicted, per hold of the trie's lock (`Encoder::insert`).
+const INSERT_BATCH: usize = 64;
 
 type Fx = BuildHasherDefault<FxHasher>;
 
@@ -63,10 +65,13 @@ struct Node {
     state: State,
 }
 
+/// A chunk's place in the trie: its parent's node id and its key text.
+type TrieKey = (u64, Box<[u8]>);
+
 #[derive(Default)]
 struct Trie {
-    nodes: LinkedHashMap<(u64, Box<[u8]>), Node, Fx>, // least recently used first
-    key_lens: FxHashMap<u64, Vec<usize>>, // parent -> its children's key lengths, newest first
+    nodes: LinkedHashMap<TrieKey, Node, Fx>, // least recently used first
+    key_lens: FxHashMap<u64, Vec<usize>>,    // parent -> its children's key lengths, newest first
     bytes: usize,
     next_id: u64,
 }
@@ -199,6 +204,7 @@ pub struct Encoder {
     // Pieces without special tokens, ASCII and free of added tokens, split by hand (src/bytelevel.rs)
     // where the tokenizer is GPT-2's byte-level BPE; with the tokenizer's own added tokens.
     fast: Option<(FastByteLevel, Option<AhoCorasick>)>,
+    busy: std::sync::atomic::AtomicU64, // short prompts encoded whole: the trie's lock was held
 }
 
 impl Encoder {
@@ -414,21 +420,52 @@ impl Encoder {
         )))
     }
 
-    fn finish_inner(&self, text: &str, w: &WalkData) -> PyResult<(usize, Vec<u64>, usize)> {
-        check_walk(text, w)?;
-        if !self.enabled {
-            // One whole encode, hashed from the root.
-            let ids: Vec<i64> = self
-                .ids(text, self.add_special)?
+    /// One whole encode, hashed from the root: the ids a cut encode gives too, with nothing cached.
+    fn whole(&self, text: &str) -> PyResult<(usize, Vec<u64>, usize)> {
+        let ids: Vec<i64> = if self.enabled {
+            // The proof's fixed specials around the text's own ids (its pieces split by hand).
+            let body = self.ids(text, false)?;
+            let mut ids = self.prefix.clone();
+            ids.extend(body.into_iter().map(i64::from));
+            ids.extend_from_slice(&self.suffix);
+            ids
+        } else {
+            self.ids(text, self.add_special)?
                 .into_iter()
                 .map(i64::from)
-                .collect();
-            let hashes = self
-                .digests(&ids, self.root.last)
-                .iter()
-                .map(digests::to_external)
-                .collect();
-            return Ok((ids.len(), hashes, 0));
+                .collect()
+        };
+        let hashes = self
+            .digests(&ids, self.root.last)
+            .iter()
+            .map(digests::to_external)
+            .collect();
+        Ok((ids.len(), hashes, 0))
+    }
+
+    /// The trie's lock; with ``wait`` off, None while another thread holds it.
+    fn hold(&self, wait: bool) -> Option<MutexGuard<'_, Inner>> {
+        if wait {
+            return Some(lock(&self.inner));
+        }
+        match self.inner.try_lock() {
+            Ok(g) => Some(g),
+            Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
+    }
+
+    /// ``wait`` off: the caller holds the GIL (a short prompt on the event loop), so it never waits for
+    /// the trie's lock; its new chunks are not cached if another thread holds it.
+    fn finish_inner(
+        &self,
+        text: &str,
+        w: &WalkData,
+        wait: bool,
+    ) -> PyResult<(usize, Vec<u64>, usize)> {
+        check_walk(text, w)?;
+        if !self.enabled {
+            return self.whole(text);
         }
         let t = text.as_bytes();
         let pos = w.pos;
@@ -492,67 +529,104 @@ impl Encoder {
         let mut hashes = w.hashes.clone();
         hashes.extend_from_slice(&got);
         let chunked_pos = bounds[bounds.len() - 2];
-        let mut inner = lock(&self.inner);
+        // A long prompt's copies are made before the lock is taken (a 4 MB prompt: 4 MB and its hashes).
+        let remembered = (chunked_pos > RECENT_MIN_BYTES).then(|| {
+            // The whole prompt: one that starts with all of it shares the context.
+            let prefix: Arc<[u8]> = t.into();
+            (prefix, hashes[..w.hashes.len() + done].to_vec())
+        });
         let parent = if new.is_empty() {
-            w.parent
+            Some(w.parent)
         } else {
-            self.insert(&mut inner.trie, w.parent, new)
+            self.insert(w.parent, new, wait)
         };
-        if chunked_pos > RECENT_MIN_BYTES {
+        if let (Some(parent), Some((prefix, walked_hashes))) = (parent, remembered) {
             // The walk to the last cut, kept only for a long prompt (most prompts are not remembered).
             let chunked = WalkData {
                 pos: chunked_pos,
                 chars: chunked_chars,
                 state: chunked_state,
-                hashes: hashes[..w.hashes.len() + done].to_vec(),
+                hashes: walked_hashes,
                 parent,
                 base: None,
             };
-            let prefix: Arc<[u8]> = t.into(); // the whole prompt: one that starts with all of it shares the context
-            remember(&mut inner, prefix, chunked, w.base.as_ref());
+            if let Some(mut inner) = self.hold(wait) {
+                let forgotten = remember(&mut inner, prefix, chunked, w.base.as_ref());
+                drop(inner);
+                drop(forgotten);
+            }
         }
         Ok((before + tokens.len(), hashes, w.chars))
     }
 
     /// Caches the new chunks under ``parent``; the last one's node id.
-    fn insert(&self, trie: &mut Trie, mut parent: u64, new: Vec<NewChunk>) -> u64 {
-        for c in new {
-            let key_len = c.key.len();
-            let id = match trie.get(parent, &c.key) {
-                Some(node) => node.id,
-                None => {
-                    trie.next_id += 1;
-                    let id = trie.next_id;
-                    let node = Node {
-                        id,
-                        bytes: c.bytes,
-                        chars: c.chars,
-                        hashes: c.hashes,
-                        state: c.state,
-                    };
-                    trie.nodes.insert((parent, c.key), node);
-                    trie.bytes += key_len;
-                    let lens = trie.key_lens.entry(parent).or_default();
-                    if !lens.contains(&key_len) {
-                        lens.insert(0, key_len);
-                        lens.truncate(MAX_KEY_LENS);
+    /// Caches the new chunks under ``parent``; the last one's node id, or None when ``wait`` is off and
+    /// another thread held the lock (nothing cached).
+    fn insert(&self, mut parent: u64, new: Vec<NewChunk>, wait: bool) -> Option<u64> {
+        // A batch of chunks per hold of the lock, and what they evict freed after it, so a long
+        // prompt's thousands of chunks do not keep the lock from the other threads in one hold.
+        let mut chunks = new.into_iter().peekable();
+        let mut first = Some(self.hold(wait)?);
+        while chunks.peek().is_some() {
+            let mut inner = first.take().unwrap_or_else(|| lock(&self.inner));
+            let trie = &mut inner.trie;
+            for c in chunks.by_ref().take(INSERT_BATCH) {
+                let key_len = c.key.len();
+                let id = match trie.get(parent, &c.key) {
+                    Some(node) => node.id,
+                    None => {
+                        trie.next_id += 1;
+                        let id = trie.next_id;
+                        let node = Node {
+                            id,
+                            bytes: c.bytes,
+                            chars: c.chars,
+                            hashes: c.hashes,
+                            state: c.state,
+                        };
+                        trie.nodes.insert((parent, c.key), node);
+                        trie.bytes += key_len;
+                        let lens = trie.key_lens.entry(parent).or_default();
+                        if !lens.contains(&key_len) {
+                            lens.insert(0, key_len);
+                            lens.truncate(MAX_KEY_LENS);
+                        }
+                        id
                     }
-                    id
-                }
-            };
-            parent = id;
+                };
+                parent = id;
+            }
+            let evicted = self.evict(trie);
+            drop(inner);
+            drop(evicted);
         }
-        while trie.bytes > self.max_cached {
-            let Some(((_, old), _)) = trie.nodes.pop_front() else {
+        // What is left over the bound (other threads insert meanwhile), a batch per hold.
+        loop {
+            let mut inner = lock(&self.inner);
+            let evicted = self.evict(&mut inner.trie);
+            drop(inner);
+            if evicted.len() < INSERT_BATCH {
+                return Some(parent);
+            }
+        }
+    }
+
+    /// Up to [`INSERT_BATCH`] least recently used chunks while the trie is over its bound, to be
+    /// dropped by the caller once it let go of the lock.
+    fn evict(&self, trie: &mut Trie) -> Vec<(TrieKey, Node)> {
+        let mut out = Vec::new();
+        while trie.bytes > self.max_cached && out.len() < INSERT_BATCH {
+            let Some(old) = trie.nodes.pop_front() else {
                 break;
             };
-            trie.bytes -= old.len();
+            trie.bytes -= old.0 .1.len();
+            out.push(old);
         }
-        if trie.key_lens.len() > 2 * trie.nodes.len() + 16 {
+        if !out.is_empty() && trie.key_lens.len() > 2 * trie.nodes.len() + 16 {
             let live: rustc_hash::FxHashSet<u64> = trie.nodes.keys().map(|k| k.0).collect();
             trie.key_lens.retain(|p, _| live.contains(p));
         }
-        parent
+        out
     }
 }
 
@@ -585,19 +659,28 @@ fn check_walk(text: &str, w: &WalkData) -> PyResult<()> {
 }
 
 /// Keeps where a long prompt ends its chunks, for the next turn that extends it; ``base`` (the remembered
-/// prompt its walk started from) is superseded by it.
-fn remember(inner: &mut Inner, prefix: Arc<[u8]>, walked: WalkData, base: Option<&Arc<[u8]>>) {
+/// prompt its walk started from) is superseded by it. Returns what it forgot, for the caller to drop
+/// once it let go of the lock.
+fn remember(
+    inner: &mut Inner,
+    prefix: Arc<[u8]>,
+    walked: WalkData,
+    base: Option<&Arc<[u8]>>,
+) -> Vec<Vec<Recent>> {
     let key: Box<[u8]> = prefix[..RECENT_KEY_BYTES].into();
     let before = inner.recent.remove(&key).unwrap_or_default();
     let old_bytes: usize = before.iter().map(|(p, _)| p.len()).sum();
     let mut entries: Vec<Recent> = Vec::with_capacity(RECENT_PER_KEY);
+    let mut forgotten: Vec<Vec<Recent>> = Vec::new();
     entries.push((prefix, walked));
-    entries.extend(
-        before
-            .into_iter()
-            .filter(|(p, _)| base.is_none_or(|b| !Arc::ptr_eq(p, b))),
-    );
-    entries.truncate(RECENT_PER_KEY);
+    let (kept, superseded): (Vec<Recent>, Vec<Recent>) = before
+        .into_iter()
+        .partition(|(p, _)| base.is_none_or(|b| !Arc::ptr_eq(p, b)));
+    forgotten.push(superseded);
+    entries.extend(kept);
+    if entries.len() > RECENT_PER_KEY {
+        forgotten.push(entries.split_off(RECENT_PER_KEY));
+    }
     let new_bytes: usize = entries.iter().map(|(p, _)| p.len()).sum();
     inner.recent.insert(key, entries);
     inner.recent_bytes = inner.recent_bytes + new_bytes - old_bytes;
@@ -606,7 +689,9 @@ fn remember(inner: &mut Inner, prefix: Arc<[u8]>, walked: WalkData, base: Option
             break;
         };
         inner.recent_bytes -= old.iter().map(|(p, _)| p.len()).sum::<usize>();
+        forgotten.push(old);
     }
+    forgotten
 }
 
 #[pymethods]
@@ -684,6 +769,7 @@ impl Encoder {
                 recent_bytes: 0,
             }),
             fast,
+            busy: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -705,9 +791,9 @@ impl Encoder {
         walked: &Walk,
     ) -> PyResult<(usize, Bound<'py, PyAny>, usize)> {
         let w = &walked.data;
-        let (n, hashes, reused) = detach(py, text.len().saturating_sub(w.pos), || {
-            self.finish_inner(text, w)
-        })?;
+        let new = text.len().saturating_sub(w.pos);
+        let (n, hashes, reused) =
+            detach(py, new, || self.finish_inner(text, w, new > DETACH_BYTES))?;
         Ok((n, hash_array(py, &hashes)?, reused))
     }
 
@@ -733,11 +819,17 @@ impl Encoder {
         py: Python<'py>,
         text: &str,
     ) -> PyResult<(usize, Bound<'py, PyAny>, usize)> {
-        let (n, hashes, reused) = detach(py, text.len(), || {
-            let w = self
-                .walk_inner(text, true)
-                .expect("a blocking walk always gets the lock");
-            self.finish_inner(text, &w)
+        // A short prompt is encoded holding the GIL (on the event loop): it never waits for the trie's
+        // lock, which a long prompt's walk or inserts on another thread may hold for milliseconds while
+        // every request waits for the GIL (the slowest short request beside a 4 MB prompt in `make
+        // bench-router-overhead` took 30-39 ms). If the lock is busy it is encoded whole, uncached.
+        let wait = text.len() > DETACH_BYTES;
+        let (n, hashes, reused) = detach(py, text.len(), || match self.walk_inner(text, wait) {
+            Some(w) => self.finish_inner(text, &w, wait),
+            None => {
+                self.busy.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.whole(text)
+            }
         })?;
         Ok((n, hash_array(py, &hashes)?, reused))
     }
@@ -777,13 +869,15 @@ impl Encoder {
         self.fast.is_some()
     }
 
-    /// (cached chunks, bytes of chunk keys cached, remembered long prompts).
-    fn stats(&self) -> (usize, usize, usize) {
+    /// (cached chunks, bytes of chunk keys cached, remembered long prompts, short prompts encoded whole
+    /// because another thread held the chunk cache).
+    fn stats(&self) -> (usize, usize, usize, u64) {
         let inner = lock(&self.inner);
         (
             inner.trie.nodes.len(),
             inner.trie.bytes,
             inner.recent.values().map(Vec::len).sum(),
+            self.busy.load(std::sync::atomic::Ordering::Relaxed),
         )
     }
 }

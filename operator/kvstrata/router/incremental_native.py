@@ -131,7 +131,7 @@ class NativeIncrementalEncoder:
         return Encoded(*self._core.encode(text))
 
     def stats(self) -> dict[str, Any]:
-        chunks, cached, recent = self._core.stats()
+        chunks, cached, recent, busy = self._core.stats()
         return {
             "family": self.proof.family,
             "reason": self.proof.reason,
@@ -143,6 +143,9 @@ class NativeIncrementalEncoder:
             "chunks": chunks,
             "cachedBytes": cached,
             "recentPrompts": recent,
+            # Short prompts encoded whole, uncached, rather than wait for the chunk cache's lock while
+            # holding the GIL (another thread was walking or caching a long prompt).
+            "encodedWhileBusy": busy,
         }
 
 

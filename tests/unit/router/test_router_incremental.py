@@ -489,3 +489,36 @@ def test_threads_sharing_one_encoder_get_exact_ids(encoder: str) -> None:
         t.join()
     assert errors == []
     assert enc.stats()["chunks"] > 0 and _remembered(enc) > 0
+
+
+def test_a_short_prompt_never_waits_for_a_long_ones_cache_and_keeps_exact_ids() -> None:
+    """A short prompt is encoded holding the GIL (on the event loop), so the native encoder never makes
+    it wait for the chunk cache's lock, which another thread walking or caching a long prompt may hold
+    for milliseconds: when it is busy, the short prompt is encoded whole, uncached. Those encodes must
+    still give the engine's ids and hashes; the run goes on until some of them happened."""
+    tok = tiny_model()
+    enc = NativeIncrementalEncoder(tok, add_special_tokens=True, block_size=BLOCK)
+    rng = random.Random(3)
+    long_text = _text(rng, 60_000)  # ~400K characters: thousands of chunks cached per encode
+    done = threading.Event()
+
+    def long_ones() -> None:
+        for i in range(40):
+            if done.is_set():
+                return
+            enc.encode(f"{i} {long_text}")
+
+    worker = threading.Thread(target=long_ones)
+    worker.start()
+    try:
+        n = 0
+        while worker.is_alive() and enc.stats()["encodedWhileBusy"] < 3:
+            text = f"short prompt number {n} " + _text(rng, 20)
+            want = tok.encode(text).ids
+            got = enc.encode(text)
+            assert (got.tokens, got.hashes) == (len(want), block_hashes(want, BLOCK)), text
+            n += 1
+    finally:
+        done.set()
+        worker.join()
+    assert enc.stats()["encodedWhileBusy"] >= 3
