@@ -561,14 +561,14 @@ impl Encoder {
 
     /// Caches the new chunks under ``parent``; the last one's node id.
     /// Caches the new chunks under ``parent``; the last one's node id, or None when ``wait`` is off and
-    /// another thread held the lock (nothing cached).
+    /// another thread held the lock before all were cached.
     fn insert(&self, mut parent: u64, new: Vec<NewChunk>, wait: bool) -> Option<u64> {
         // A batch of chunks per hold of the lock, and what they evict freed after it, so a long
         // prompt's thousands of chunks do not keep the lock from the other threads in one hold.
         let mut chunks = new.into_iter().peekable();
-        let mut first = Some(self.hold(wait)?);
         while chunks.peek().is_some() {
-            let mut inner = first.take().unwrap_or_else(|| lock(&self.inner));
+            // Without ``wait`` a busy lock ends the caching here (the chunks cached so far stay).
+            let mut inner = self.hold(wait)?;
             let trie = &mut inner.trie;
             for c in chunks.by_ref().take(INSERT_BATCH) {
                 let key_len = c.key.len();
@@ -600,15 +600,16 @@ impl Encoder {
             drop(inner);
             drop(evicted);
         }
-        // What is left over the bound (other threads insert meanwhile), a batch per hold.
-        loop {
-            let mut inner = lock(&self.inner);
+        // What is left over the bound (other threads insert meanwhile), a batch per hold; without
+        // ``wait``, only while the lock is free (a later insert evicts the rest).
+        while let Some(mut inner) = self.hold(wait) {
             let evicted = self.evict(&mut inner.trie);
             drop(inner);
             if evicted.len() < INSERT_BATCH {
-                return Some(parent);
+                break;
             }
         }
+        Some(parent)
     }
 
     /// Up to [`INSERT_BATCH`] least recently used chunks while the trie is over its bound, to be
