@@ -559,7 +559,6 @@ impl Encoder {
         Ok((before + tokens.len(), hashes, w.chars))
     }
 
-    /// Caches the new chunks under ``parent``; the last one's node id.
     /// Caches the new chunks under ``parent``; the last one's node id, or None when ``wait`` is off and
     /// another thread held the lock before all were cached.
     fn insert(&self, mut parent: u64, new: Vec<NewChunk>, wait: bool) -> Option<u64> {
