@@ -89,38 +89,49 @@ fn class(b: u8) -> Class {
     }
 }
 
+/// The end of the run of class `c` that starts at `from`.
+fn run_end(t: &[u8], from: usize, c: Class) -> usize {
+    from + t[from..].iter().take_while(|&&b| class(b) == c).count()
+}
+
+/// The length of a contraction (`'s`, `'t`, `'re`, `'ve`, `'m`, `'ll`, `'d`) starting at `t[0]`, a
+/// quote; 0 if none. `fold`: in either case (Llama 3's and Qwen2's `(?i:...)`), else lower case only.
+fn contraction(t: &[u8], fold: bool) -> usize {
+    let at = |k: usize| {
+        t.get(k)
+            .map(|&b| if fold { b.to_ascii_lowercase() } else { b })
+    };
+    match (at(1), at(2)) {
+        (Some(b'r'), Some(b'e')) | (Some(b'v'), Some(b'e')) | (Some(b'l'), Some(b'l')) => 3,
+        (Some(b's' | b't' | b'm' | b'd'), _) => 2,
+        _ => 0,
+    }
+}
+
 /// Calls `word` with each match of `'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+`
 /// over ASCII `t`, in order: the alternatives are tried left to right at each position, as the
 /// backtracking engine does, and together the matches cover `t`.
 pub fn split_gpt2(t: &[u8], mut word: impl FnMut(&[u8])) {
     let n = t.len();
-    let run =
-        |from: usize, c: Class| from + t[from..].iter().take_while(|&&b| class(b) == c).count();
     let mut i = 0;
     while i < n {
         let b = t[i];
-        if b == b'\'' && i + 1 < n {
-            let rest = &t[i + 1..];
-            let len =
-                if rest.starts_with(b"re") || rest.starts_with(b"ve") || rest.starts_with(b"ll") {
-                    2
-                } else if matches!(rest[0], b's' | b't' | b'm' | b'd') {
-                    1
-                } else {
-                    0
-                };
-            if len > 0 {
-                word(&t[i..i + 1 + len]);
-                i += 1 + len;
-                continue;
-            }
+        let quoted = if b == b'\'' {
+            contraction(&t[i..], false)
+        } else {
+            0
+        };
+        if quoted > 0 {
+            word(&t[i..i + quoted]);
+            i += quoted;
+            continue;
         }
         // ` ?X+` for the three classes: an optional space, then a run of one class.
         let j = if b == b' ' { i + 1 } else { i };
         if j < n {
             let c = class(t[j]);
             if c != Class::Space {
-                let end = run(j, c);
+                let end = run_end(t, j, c);
                 word(&t[i..end]);
                 i = end;
                 continue;
@@ -148,49 +159,38 @@ fn spaces_end(t: &[u8], i: usize) -> usize {
 /// ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+`.
 pub fn split_llama3(t: &[u8], digits: usize, mut word: impl FnMut(&[u8])) {
     let n = t.len();
-    let run =
-        |from: usize, c: Class| from + t[from..].iter().take_while(|&&b| class(b) == c).count();
     let newline = |b: u8| b == b'\r' || b == b'\n';
     let mut i = 0;
     while i < n {
         let b = t[i];
-        if b == b'\'' && i + 1 < n {
-            let rest = &t[i + 1..];
-            let two = rest.len() >= 2 && {
-                let p = [rest[0].to_ascii_lowercase(), rest[1].to_ascii_lowercase()];
-                matches!(&p, b"re" | b"ve" | b"ll")
-            };
-            let len = if two {
-                2
-            } else if matches!(rest[0].to_ascii_lowercase(), b's' | b't' | b'm' | b'd') {
-                1
-            } else {
-                0
-            };
-            if len > 0 {
-                word(&t[i..i + 1 + len]);
-                i += 1 + len;
-                continue;
-            }
+        let quoted = if b == b'\'' {
+            contraction(&t[i..], true)
+        } else {
+            0
+        };
+        if quoted > 0 {
+            word(&t[i..i + quoted]);
+            i += quoted;
+            continue;
         }
         let c = class(b);
         // `[^\r\n\p{L}\p{N}]?\p{L}+`: letters, after at most one character that is neither a newline,
         // a letter nor a digit.
         if c == Class::Letter {
-            let end = run(i, Class::Letter);
+            let end = run_end(t, i, Class::Letter);
             word(&t[i..end]);
             i = end;
             continue;
         }
         if c != Class::Digit && !newline(b) && i + 1 < n && class(t[i + 1]) == Class::Letter {
-            let end = run(i + 1, Class::Letter);
+            let end = run_end(t, i + 1, Class::Letter);
             word(&t[i..end]);
             i = end;
             continue;
         }
         // `\p{N}{1,digits}`.
         if c == Class::Digit {
-            let end = run(i, Class::Digit).min(i + digits);
+            let end = run_end(t, i, Class::Digit).min(i + digits);
             word(&t[i..end]);
             i = end;
             continue;
@@ -198,14 +198,14 @@ pub fn split_llama3(t: &[u8], digits: usize, mut word: impl FnMut(&[u8])) {
         // ` ?[^\s\p{L}\p{N}]+[\r\n]*`.
         let j = if b == b' ' { i + 1 } else { i };
         if j < n && class(t[j]) == Class::Other {
-            let mut end = run(j, Class::Other);
+            let mut end = run_end(t, j, Class::Other);
             end += t[end..].iter().take_while(|&&b| newline(b)).count();
             word(&t[i..end]);
             i = end;
             continue;
         }
         // Whitespace from here on (`c` is Space). `\s*[\r\n]+`: up to the run's last newline.
-        let end = run(i, Class::Space);
+        let end = run_end(t, i, Class::Space);
         if let Some(last) = t[i..end].iter().rposition(|&b| newline(b)) {
             word(&t[i..i + last + 1]);
             i += last + 1;

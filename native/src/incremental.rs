@@ -335,15 +335,7 @@ impl Encoder {
             });
         }
         let t = text.as_bytes();
-        let mut inner = if blocking {
-            lock(&self.inner)
-        } else {
-            match self.inner.try_lock() {
-                Ok(g) => g,
-                Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
-                Err(std::sync::TryLockError::WouldBlock) => return None,
-            }
-        };
+        let mut inner = self.hold(blocking)?;
         let mut w = WalkData {
             pos: 0,
             chars: 0,

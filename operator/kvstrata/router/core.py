@@ -743,8 +743,7 @@ class Router:
             hashes = () if decision.approximate else decision.hashes
             for scorer in self._on_routed:
                 scorer.on_routed(ep, now, hashes)
-            if self.share.factor is not None:  # off, it reads no counts
-                self.share.on_routed(ep, now)
+            self.share.on_routed(ep, now)
             if self.tracker is not None:
                 self.tracker.routed(ep.url, now, hashes)
         if not decision.hashes:

@@ -405,11 +405,12 @@ class Proxy:
     def _decision_headers(self, call: _Call, ep: Endpoint, t0: float) -> dict[str, str]:
         """The decision and its cost: tries, and the answering engine's time to the first byte
         (Envoy's x-envoy-upstream-service-time), so a client can tell queueing upstream from failover."""
-        return {
+        headers = {
             "x-kvstrata-attempts": str(call.tries),
             "x-kvstrata-upstream-ms": str(round((time.perf_counter() - t0) * 1000)),
-            **dict(self._decision_only_headers(call, ep)),
         }
+        headers.update(self._decision_only_headers(call, ep))
+        return headers
 
     def _decision_only_headers(self, call: _Call, ep: Endpoint) -> list[tuple[str, str]]:
         """:meth:`_decision_headers` but for the try's count and time (the native front says those)."""

@@ -552,6 +552,8 @@ class ShareBoundFilter:
         return faded(value, now - at, self.window_s)
 
     def on_routed(self, ep: Endpoint, now: float) -> None:
+        if self.factor is None:  # off: nothing reads the counts
+            return
         self.sent[ep.url] = (self.recent(ep, now) + 1.0, now)
 
     def on_removed(self, ep: Endpoint) -> None:
