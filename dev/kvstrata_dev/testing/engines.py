@@ -13,7 +13,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -27,6 +26,7 @@ from kvstrata.planner import flags, plan
 from kvstrata.planner.arch import architecture_from_hf_config
 from kvstrata.planner.constants import KV_EVENTS_TOPIC
 from kvstrata.planner.flags import ENGINE_PYTHONPATH, unpinned_omp_env
+from kvstrata_dev.localcluster.layout import service_port
 from kvstrata_dev.repo import REPO
 from kvstrata_dev.testing.tinymodel import kvstrata_cache
 
@@ -117,16 +117,14 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes] | None = N
 def free_port() -> int:
     """A TCP port free on every local address, never the same one twice in this process.
 
-    Bound on the wildcard address because vLLM's ZMQ publisher binds ``tcp://*:PORT``."""
+    From below the kernel's ephemeral range (`service_port`): the engine, router or fake binds it later,
+    and in between an outgoing connection or a port-0 bind could take a port from that range (a
+    clean-clone CI run lost a test router's port that way). Free on the wildcard address because
+    vLLM's ZMQ publisher binds ``tcp://*:PORT``."""
     with _handed_out_lock:
-        for _ in range(100):
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-                sock.bind(("", 0))
-                port = sock.getsockname()[1]
-            if port not in _handed_out:
-                _handed_out.add(port)
-                return port
-    raise EngineError("no free port found")
+        port = service_port(taken=_handed_out)
+        _handed_out.add(port)
+        return port
 
 
 def base_env(kv_cache_space_gib: int | None = None) -> dict[str, str]:

@@ -65,6 +65,7 @@ class RouterService:
         self.app: web.Application | None = None
         self._runner: web.AppRunner | None = None
         self.front: NativeFront | None = None  # dataPlane: native
+        self.port: int | None = None  # the port serve() bound (it may be asked for port 0)
         self._admin_runner: web.AppRunner | None = None
         self._http_filter = MalformedHttpFilter(self.metrics.malformed_http)
         self._stopping: list[asyncio.Task[None]] = []
@@ -202,9 +203,11 @@ class RouterService:
             await site.start()
             loopback = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
             self.front = NativeFront(self.app, s, host, port, loopback)
+            self.port = self.front.port
         else:
             site = web.TCPSite(self._runner, host, port, backlog=4096)
             await site.start()
+            self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         if s.admin_port is not None:
             self._admin_runner = web.AppRunner(
                 build_admin_app(self.app[PROXY_KEY]),

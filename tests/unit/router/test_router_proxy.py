@@ -20,15 +20,10 @@ from kvstrata.api.router_config import RouterSettings
 from kvstrata.router.hashing import char_block_hashes
 from kvstrata.router.loop import shares_lock
 from kvstrata.router.service import RouterService
+from kvstrata_dev.testing.engines import free_port
 
 MODEL = "tiny"
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -97,8 +92,9 @@ class Fake:
         self.runner = web.AppRunner(app, handler_cancellation=True)
         await self.runner.setup()
         if sock is None:
-            port = free_port()
-            await web.TCPSite(self.runner, "127.0.0.1", port).start()
+            site = web.TCPSite(self.runner, "127.0.0.1", 0)
+            await site.start()
+            port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         else:
             port = sock.getsockname()[1]
             await web.SockSite(self.runner, sock).start()
@@ -145,8 +141,9 @@ async def make_router() -> AsyncIterator[RouterFactory]:
         )
         svc = RouterService(settings, scrape=scrape)
         await svc.start()
-        port = free_port()
-        await svc.serve("127.0.0.1", port)
+        # Port 0: the router binds what the kernel gives it, so no other socket can take it first.
+        await svc.serve("127.0.0.1", 0)
+        port = svc.port
         client = aiohttp.ClientSession()
         started.append((svc, client))
         return Harness(svc, f"http://127.0.0.1:{port}", client)

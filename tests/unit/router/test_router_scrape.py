@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import socket
-
 import aiohttp
 from aiohttp import web
 
 from kvstrata.router.loadscrape import UNHEALTHY_AFTER, LoadScraper
 from kvstrata.router.pool import Endpoint, EndpointPool, EndpointSpec
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kvstrata_dev.testing.engines import free_port
 
 
 async def test_scrape_load_and_health(metrics_text: str) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import AsyncIterator
 
 import pytest
@@ -20,15 +19,10 @@ from kvstrata.router.metrics import RouterMetrics
 from kvstrata.router.pool import Endpoint, EndpointSpec
 from kvstrata.router.service import RouterService
 from kvstrata.router.subscriber import KvEventSubscriber
+from kvstrata_dev.testing.engines import free_port
 
 TOPIC = b"kv-events"
 URL = "http://engine"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FakePublisher:
