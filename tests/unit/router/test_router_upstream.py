@@ -257,10 +257,10 @@ async def test_failures_are_told_apart_and_a_broken_body_is_not_reused(
 ) -> None:
     srv = await server()
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        closed = f"http://127.0.0.1:{s.getsockname()[1]}"  # bound, not listening: refused
-    with pytest.raises(ConnectFailed):
-        await up.request(closed, "GET", "/", {}, b"")
+        s.bind(("127.0.0.1", 0))  # bound, not listening: refused (and held, so nobody else listens there)
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+        with pytest.raises(ConnectFailed):
+            await up.request(closed, "GET", "/", {}, b"")
     resp = await up.request(srv.url, "GET", "/die", {}, b"")
     with pytest.raises(Disconnected):
         await resp.read()
