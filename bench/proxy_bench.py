@@ -6,6 +6,11 @@ straight at one backend port (the baseline), then through each router. Non-strea
 canned completion; streaming requests (`"stream": true`) get a canned SSE stream of SSE_CHUNKS events.
 Figures: requests/s, latency p50/p90/p99, latency added over the direct baseline, SSE chunks/s, errors,
 and the router's own CPU use. Generator, router and backend share the machine's cores: say so when quoting.
+
+With ``--rounds N`` every router is measured N times per mode, in an order reversed every other round
+(ABBA), and each kvstrata router's CPU per request is paired with each peer's of the same round: on a
+machine whose neighbours come and go, one row per router minutes apart let the ratio swing from 0.8 to
+1.2 between runs of the same code, and a pair measured seconds apart is the comparison that holds.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import nginx_backend
+from bench.family import paired
 from bench.procs import BenchError, ProcGroup, bench_main, http_post
 from bench.profile import record
 from bench.report import fmt, group_cpu_seconds, machine, table
@@ -59,6 +65,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="wrk threads (2 cores are shared by everything)")
     p.add_argument("--workers", type=int, default=3, help="backend listen ports the routers balance over")
     p.add_argument("--modes", default="json,sse", help="json (non-streaming), sse (streaming), or both")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=int(os.environ.get("BENCH_PROXY_ROUNDS", "1")),
+        help="times each router is measured per mode, the order reversed every other round, with CPU "
+        "per request paired per round (default: %(default)s)",
+    )
     p.add_argument(
         "--profile",
         type=float,
@@ -147,6 +160,86 @@ def _profile(
     }
 
 
+def _row(
+    procs: ProcGroup,
+    label: str,
+    router: str | None,
+    mode: str,
+    urls: list[str],
+    script: Path,
+    cfg: RouterConfig,
+    args: argparse.Namespace,
+    profile: bool,
+) -> dict[str, Any]:
+    """One measured row: ``router`` started in front of ``urls`` (None: ``urls[0]`` straight), loaded,
+    stopped."""
+    stream = mode == "sse"
+    row: dict[str, Any] = {"target": label, "mode": mode}
+    running = None
+    try:
+        if router is None:
+            url, pgid = urls[0], None
+        else:
+            running = start_router(procs, router, [Worker(u) for u in urls], cfg, probe_prompt=PROMPT)
+            url, pgid = running.url, running.proc.popen.pid
+            row["ready_seconds"] = running.ready_seconds
+        if problem := _check_once(url, stream):
+            row["problem"] = problem
+        print(f"  {mode:4} {label:28} ...", end="", flush=True)
+        row.update(_measure(url, script, args, pgid))
+        print(
+            f" {row['rps']:>9.0f} req/s  p50 {row['p50_ms']:.2f} ms  p99 {row['p99_ms']:.2f} ms"
+            f"  errors {row['errors']}",
+            flush=True,
+        )
+        if running is not None and label.startswith("kvstrata/") and args.profile > 0 and profile:
+            row["profile"] = _profile(running.url, running.proc.popen.pid, script, args, label, mode)
+    except BenchError as exc:
+        row["problem"] = str(exc).splitlines()[0]
+        row["detail"] = str(exc)
+        print(f"  {mode:4} {label:28} FAILED: {row['problem']}", flush=True)
+    finally:
+        if running is not None:
+            procs.stop(running.proc)
+    if stream and "rps" in row:
+        row["sse_chunks_per_s"] = round(row["rps"] * (nginx_backend.SSE_CHUNKS + 1), 1)
+    return row
+
+
+def _paired_cpu(results: list[dict[str, Any]], rounds: int) -> list[dict[str, Any]]:
+    """Per mode, each kvstrata router's CPU per request over each peer's, round by round."""
+    if rounds < 2:
+        return []
+    cpu: dict[tuple[str, str, int], float] = {
+        (r["mode"], r["target"], r["round"]): r["router_cpu_us_per_req"]
+        for r in results
+        if r.get("router_cpu_us_per_req") and "problem" not in r
+    }
+    out = []
+    for mode in dict.fromkeys(m for m, _, _ in cpu):
+        names = list(dict.fromkeys(t for m, t, _ in cpu if m == mode))
+        for ours in (t for t in names if t.startswith("kvstrata/")):
+            for peer in (t for t in names if not t.startswith("kvstrata/")):
+                both = [n for n in range(rounds) if (mode, ours, n) in cpu and (mode, peer, n) in cpu]
+                ratios = [cpu[(mode, ours, n)] / cpu[(mode, peer, n)] for n in both]
+                got = paired(ratios)
+                if got is None:
+                    continue
+                mean, se = got
+                out.append(
+                    {
+                        "mode": mode,
+                        "router": ours,
+                        "peer": peer,
+                        "ratios": [round(x, 3) for x in ratios],
+                        "mean": round(mean, 3),
+                        "se": round(se, 3),
+                        "rounds_at_or_under": sum(x <= 1.0 for x in ratios),
+                    }
+                )
+    return out
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     routers = [r.strip() for r in args.routers.split(",") if r.strip()]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -171,44 +264,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             stream = mode == "sse"
             script = write_script(args.workdir / f"wrk-{mode}.lua", request_body(stream, args.unique_prompts))
             urls = backend.sse_urls if stream else backend.json_urls
-            targets: list[tuple[str, str | None]] = [("direct (nginx)", None), *[(r, r) for r in routers]]
-            for label, router in targets:
-                row: dict[str, Any] = {"target": label, "mode": mode}
-                running = None
-                try:
-                    if router is None:
-                        url, pgid = urls[0], None
-                    else:
-                        running = start_router(
-                            procs, router, [Worker(u) for u in urls], cfg, probe_prompt=PROMPT
-                        )
-                        url, pgid = running.url, running.proc.popen.pid
-                        row["ready_seconds"] = running.ready_seconds
-                    if problem := _check_once(url, stream):
-                        row["problem"] = problem
-                    print(f"  {mode:4} {label:28} ...", end="", flush=True)
-                    row.update(_measure(url, script, args, pgid))
-                    print(
-                        f" {row['rps']:>9.0f} req/s  p50 {row['p50_ms']:.2f} ms  p99 {row['p99_ms']:.2f} ms"
-                        f"  errors {row['errors']}",
-                        flush=True,
-                    )
-                    if running is not None and router.startswith("kvstrata/") and args.profile > 0:
-                        row["profile"] = _profile(
-                            running.url, running.proc.popen.pid, script, args, label, mode
-                        )
-                except BenchError as exc:
-                    row["problem"] = str(exc).splitlines()[0]
-                    row["detail"] = str(exc)
-                    print(f"  {mode:4} {label:28} FAILED: {row['problem']}", flush=True)
-                finally:
-                    if running is not None:
-                        procs.stop(running.proc)
-                if stream and "rps" in row:
-                    row["sse_chunks_per_s"] = round(row["rps"] * (nginx_backend.SSE_CHUNKS + 1), 1)
-                results.append(row)
+            for round_ in range(args.rounds):
+                # ABBA: a drift of the machine's speed over a run weighs on every router alike.
+                order = routers if round_ % 2 == 0 else routers[::-1]
+                targets: list[tuple[str, str | None]] = [("direct (nginx)", None), *[(r, r) for r in order]]
+                for label, router in targets:
+                    row = _row(procs, label, router, mode, urls, script, cfg, args, profile=round_ == 0)
+                    row["round"] = round_
+                    results.append(row)
     _add_overhead(results)
     return {
+        "paired_cpu": _paired_cpu(results, args.rounds),
         "benchmark": "proxy",
         "machine": machine(),
         "settings": {
@@ -216,6 +282,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "duration_s": args.duration,
             "warmup_s": args.warmup,
             "wrk_threads": args.threads,
+            "rounds": args.rounds,
             "unique_prompts": args.unique_prompts,
             "backend_workers": args.workers,
             "backend": "nginx (Debian nginx-light), 1 worker process, canned bodies via `return`",
@@ -228,9 +295,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _add_overhead(results: list[dict[str, Any]]) -> None:
-    base = {r["mode"]: r for r in results if r["target"].startswith("direct") and "p50_ms" in r}
+    # Against the straight run of the same mode and round.
+    base = {
+        (r["mode"], r.get("round", 0)): r
+        for r in results
+        if r["target"].startswith("direct") and "p50_ms" in r
+    }
     for r in results:
-        b = base.get(r["mode"])
+        b = base.get((r["mode"], r.get("round", 0)))
         if b is None or "p50_ms" not in r or r is b:
             continue
         r["added_p50_ms"] = round(r["p50_ms"] - b["p50_ms"], 3)
@@ -275,6 +347,24 @@ def render(payload: dict[str, Any]) -> str:
         f"wrk threads {s['wrk_threads']}, {payload['machine']['cpus']} CPUs shared by wrk + router + nginx",
         table(headers, rows),
     ]
+    if payload.get("paired_cpu"):
+        lines.append("\ncpu us/req paired per round (router / peer; ABBA order; ± one standard error)")
+        lines.append(
+            table(
+                ["mode", "router", "peer", "per round", "mean", "rounds <= 1.00"],
+                [
+                    [
+                        p["mode"],
+                        p["router"],
+                        p["peer"],
+                        " ".join(f"{x:.2f}" for x in p["ratios"]),
+                        f"{p['mean']:.2f} ± {p['se']:.2f}",
+                        f"{p['rounds_at_or_under']} of {len(p['ratios'])}",
+                    ]
+                    for p in payload["paired_cpu"]
+                ],
+            )
+        )
     for r in payload["results"]:
         if "problem" in r:
             lines.append(f"! {r['target']} ({r['mode']}): {r['problem']}")
