@@ -160,9 +160,11 @@ def _profile(
     }
 
 
+DIRECT = "direct (nginx)"
+
+
 def _row(
     procs: ProcGroup,
-    label: str,
     router: str | None,
     mode: str,
     urls: list[str],
@@ -174,6 +176,7 @@ def _row(
     """One measured row: ``router`` started in front of ``urls`` (None: ``urls[0]`` straight), loaded,
     stopped."""
     stream = mode == "sse"
+    label = router or DIRECT
     row: dict[str, Any] = {"target": label, "mode": mode}
     running = None
     try:
@@ -267,9 +270,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for round_ in range(args.rounds):
                 # ABBA: a drift of the machine's speed over a run weighs on every router alike.
                 order = routers if round_ % 2 == 0 else routers[::-1]
-                targets: list[tuple[str, str | None]] = [("direct (nginx)", None), *[(r, r) for r in order]]
-                for label, router in targets:
-                    row = _row(procs, label, router, mode, urls, script, cfg, args, profile=round_ == 0)
+                for router in [None, *order]:
+                    row = _row(procs, router, mode, urls, script, cfg, args, profile=round_ == 0)
                     row["round"] = round_
                     results.append(row)
     _add_overhead(results)
@@ -296,13 +298,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _add_overhead(results: list[dict[str, Any]]) -> None:
     # Against the straight run of the same mode and round.
-    base = {
-        (r["mode"], r.get("round", 0)): r
-        for r in results
-        if r["target"].startswith("direct") and "p50_ms" in r
-    }
+    base = {(r["mode"], r["round"]): r for r in results if r["target"] == DIRECT and "p50_ms" in r}
     for r in results:
-        b = base.get((r["mode"], r.get("round", 0)))
+        b = base.get((r["mode"], r["round"]))
         if b is None or "p50_ms" not in r or r is b:
             continue
         r["added_p50_ms"] = round(r["p50_ms"] - b["p50_ms"], 3)

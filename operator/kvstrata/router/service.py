@@ -201,13 +201,13 @@ class RouterService:
             # The app answers on a loopback port what the native front hands it (router/native_http.py).
             site = web.TCPSite(self._runner, "127.0.0.1", 0, backlog=4096)
             await site.start()
-            loopback = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            loopback = _bound_port(site)
             self.front = NativeFront(self.app, s, host, port, loopback)
             self.port = self.front.port
         else:
             site = web.TCPSite(self._runner, host, port, backlog=4096)
             await site.start()
-            self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            self.port = _bound_port(site)
         if s.admin_port is not None:
             self._admin_runner = web.AppRunner(
                 build_admin_app(self.app[PROXY_KEY]),
@@ -242,3 +242,8 @@ class RouterService:
             await self.session.close()
         if self._zmq is not None:
             self._zmq.term()
+
+
+def _bound_port(site: web.TCPSite) -> int:
+    """The port ``site`` listens on (the kernel's pick where it was asked for port 0)."""
+    return int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
