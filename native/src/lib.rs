@@ -262,6 +262,35 @@ impl BlockTable {
 
     /// Remove and return the least recently touched block: (hash, mask).
     fn pop_oldest(&mut self) -> Option<(u64, u8)> {
+        self.take_oldest()
+    }
+
+    /// Remove the ``n`` least recently touched blocks (fewer if the table holds fewer): (how many went,
+    /// the hashes of those held on some medium, oldest first). An index over its bound by a long
+    /// prompt's blocks evicts them in one call, not one Python iteration each.
+    fn pop_oldest_many(&mut self, n: usize) -> (usize, Vec<u64>) {
+        let mut real = Vec::new();
+        let mut taken = 0;
+        while taken < n {
+            let Some((h, mask)) = self.take_oldest() else {
+                break;
+            };
+            taken += 1;
+            if mask & REAL != 0 {
+                real.push(h);
+            }
+        }
+        (taken, real)
+    }
+
+    fn clear(&mut self) {
+        self.map.clear();
+        self.oldest.clear();
+    }
+}
+
+impl BlockTable {
+    fn take_oldest(&mut self) -> Option<(u64, u8)> {
         loop {
             // A batch entry is stale if its block was touched (a newer stamp) or removed since; every
             // block outside the batch was newer than the whole batch when it was built, and only gets
@@ -284,11 +313,6 @@ impl BlockTable {
             all.sort_unstable_by(|a, b| b.cmp(a));
             self.oldest = all;
         }
-    }
-
-    fn clear(&mut self) {
-        self.map.clear();
-        self.oldest.clear();
     }
 }
 

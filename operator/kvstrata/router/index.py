@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence, Sized
 from typing import NamedTuple, Protocol
 
 from kvstrata.router.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -141,8 +141,7 @@ class BlockIndex:
                 return 0
             matched, gone = table.remove(event.block_hashes, _MEDIUM_BIT.get(event.medium, GPU))
             self._size -= len(gone)
-            for h in gone:  # gone from every tier; a pending prediction for it is wrong too
-                self._remember(endpoint, h)
+            self._remember(endpoint, gone)  # gone from every tier; a pending prediction for it is wrong too
             return matched
         elif isinstance(event, AllBlocksCleared):
             self._clear(endpoint)
@@ -197,33 +196,50 @@ class BlockIndex:
             table.clear()
 
     def _enforce_bound(self) -> None:
-        while self._size > self.max_blocks:
-            ep = max(self._eps, key=lambda e: len(self._eps[e]))
-            oldest = self._eps[ep].pop_oldest()
-            assert oldest is not None  # the largest table of an over-full index is not empty
-            h, mask = oldest
-            self._size -= 1
-            self.evictions += 1
-            if mask & REAL:
-                self._remember(ep, h)
+        # The oldest entries of the largest table go first. Evicting from the largest until it is down
+        # to the next one's size (or the excess is gone) takes the same entries as one at a time, in one
+        # native call: a 4 MB prompt over the bound is 38,000 blocks.
+        while (excess := self._size - self.max_blocks) > 0:
+            ep, n = _from_largest(self._eps, excess)
+            taken, real = self._eps[ep].pop_oldest_many(n)
+            assert taken > 0  # the largest table of an over-full index is not empty
+            self._size -= taken
+            self.evictions += taken
+            self._remember(ep, real)
 
-    def _remember(self, endpoint: str, h: int) -> None:
-        """``h`` left ``endpoint``: keep it as a ghost; past the bound the oldest ghost of the endpoint
-        with the most ghosts goes (like the live entries, so no engine's history crowds out the rest)."""
+    def _remember(self, endpoint: str, hashes: Sequence[int]) -> None:
+        """``hashes`` left ``endpoint``: keep them as ghosts, the last the newest; past the bound the
+        oldest ghost of the endpoint with the most ghosts goes (like the live entries, so no engine's
+        history crowds out the rest)."""
+        if not hashes:
+            return
         ghosts = self._ghosts.get(endpoint)
         if ghosts is None:
             ghosts = self._ghosts[endpoint] = OrderedDict()
-        if h in ghosts:
-            ghosts.move_to_end(h)
-            return
-        ghosts[h] = None
-        self._ghost_count += 1
-        while self._ghost_count > self.max_blocks:
-            ep = max(self._ghosts, key=lambda e: len(self._ghosts[e]))
-            self._ghosts[ep].popitem(last=False)
-            self._ghost_count -= 1
+        for h in hashes:
+            if h in ghosts:
+                ghosts.move_to_end(h)
+            else:
+                ghosts[h] = None
+                self._ghost_count += 1
+        while (excess := self._ghost_count - self.max_blocks) > 0:
+            ep, n = _from_largest(self._ghosts, excess)
+            largest = self._ghosts[ep]
+            for _ in range(n):
+                largest.popitem(last=False)
+            self._ghost_count -= n
 
     def _forget(self, endpoint: str) -> None:
         ghosts = self._ghosts.pop(endpoint, None)
         if ghosts is not None:
             self._ghost_count -= len(ghosts)
+
+
+def _from_largest(tables: Mapping[str, Sized], excess: int) -> tuple[str, int]:
+    """The largest of ``tables`` (the first of equals) and how many of its oldest entries to drop:
+    as many as dropping one at a time from whichever is largest would drop from it in a row, and no
+    more than ``excess``."""
+    ep = max(tables, key=lambda e: len(tables[e]))
+    largest = len(tables[ep])
+    runner_up = max((len(t) for e, t in tables.items() if e != ep), default=0)
+    return ep, min(excess, max(largest - runner_up, 1))

@@ -332,3 +332,39 @@ def test_random_predictions_events_and_time_keep_the_index_consistent(seed: int)
                     unconfirmed += 1
     assert idx._predictions.records <= 2 * len(idx._predictions) + 64
     assert unconfirmed > 100  # the check above ran
+
+
+class _OneAtATime(BlockIndex):
+    """The bound as it was enforced before bulk eviction: one entry of the largest table per step."""
+
+    def _enforce_bound(self) -> None:
+        while self._size > self.max_blocks:
+            ep = max(self._eps, key=lambda e: len(self._eps[e]))
+            popped = self._eps[ep].pop_oldest()
+            assert popped is not None
+            self._size -= 1
+            self.evictions += 1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_bulk_eviction_takes_the_entries_one_at_a_time_would(seed: int) -> None:
+    """Evicting many entries in a call (a long prompt over the bound) leaves every table as evicting
+    them one by one from whichever table is largest (ties included) would."""
+    import random
+
+    rng = random.Random(seed)
+    bulk = BlockIndex(rng.randrange(20, 200))
+    single = _OneAtATime(bulk.max_blocks)
+    for _ in range(400):
+        ep = rng.choice("abc")
+        hs = [rng.randrange(1, 3_000) for _ in range(rng.randrange(1, 120))]
+        event = rng.random() < 0.5
+        for idx in (bulk, single):
+            if event:
+                idx.apply(ep, stored(hs))
+            else:
+                idx.predict(ep, hs, ttl=1e9)
+        assert (len(bulk), bulk.evictions) == (len(single), single.evictions)
+        probe = [rng.randrange(1, 3_000) for _ in range(3)]
+        for h in probe:
+            assert bulk.lookup([h]) == single.lookup([h])

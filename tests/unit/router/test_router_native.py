@@ -231,3 +231,25 @@ def test_native_block_digests_refuse_what_they_cannot_do() -> None:
     with pytest.raises(ValueError, match="block size"):
         native_block_digests([1] * 8000, 8000, bytes(32), "sha256")
     assert block_digests([7] * 8000, 8000) == py_block_digests([7] * 8000, 8000)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_popping_many_oldest_takes_what_popping_one_at_a_time_would(seed: int) -> None:
+    rng = random.Random(seed)
+    one, many = BlockTable(), BlockTable()
+    for table in (one, many):  # the same history, so the same order of age
+        r = random.Random(seed)
+        for _ in range(300):
+            hs = [r.randrange(1, 2_000) for _ in range(r.randrange(1, 20))]
+            if r.random() < 0.5:
+                table.store(hs, r.choice((GPU, CPU, STORAGE)))
+            else:
+                table.predict(hs, r.randrange(1, 1 << 30), r.randrange(0, 3))
+            table.prefix(hs[: r.randrange(0, len(hs) + 1)])
+    while len(one):
+        n = rng.randrange(1, 200)
+        popped = [one.pop_oldest() for _ in range(min(n, len(one)))]
+        real = [h for h, mask in popped if mask & (GPU | CPU | STORAGE)]
+        assert many.pop_oldest_many(n) == (len(popped), real)
+        assert len(many) == len(one)
+    assert many.pop_oldest_many(5) == (0, [])
