@@ -196,6 +196,7 @@ class Router:
                 commit=self.commit,
                 moved=self._moved,
             ),
+            surviving=settings.surviving_match,
         )
         self._token_cache: OrderedDict[str, tuple[int, array[int]]] = OrderedDict()
         # Rests of prompts routed on their leading blocks, by the probe's last block hash, until hashed.
@@ -571,11 +572,14 @@ class Router:
                 {u: m.blocks for u, m in matches.items()},
             )
         tie_key = hashes[0].to_bytes(8, "big") if hashes else self.prefix_key(req)
-        room = {} if matches or approximate else {ep.url: self.index.blocks_of(ep.url) for ep in eps}
-        history = {} if matches or approximate else self.index.history(hashes)
+        scored = matches
+        if self.settings.surviving_match and not approximate:
+            scored = self.gate.surviving_matches(matches, hashes, eps)
+        room = {} if scored or approximate else {ep.url: self.index.blocks_of(ep.url) for ep in eps}
+        history = {} if scored or approximate else self.index.history(hashes)
         rreq = RouteRequest(
             hashes,
-            matches,
+            scored,
             tie_key,
             session_id,
             approximate,
@@ -592,7 +596,7 @@ class Router:
         ranking = self._rank(rreq, eps)
         ranked = ranking.ranked
         order = [r.endpoint for r in ranked] + ranking.dropped  # dropped: a retry if all else fails
-        reason = self._reason(ranking, matches, approximate)
+        reason = self._reason(ranking, scored, approximate)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "route reason=%s blocks=%d%s approx=%s -> %s | %s",
@@ -605,6 +609,11 @@ class Router:
                     f"{r.endpoint.url} total={r.total:.3f} "
                     + " ".join(f"{k}={v:.3f}" for k, v in r.scores.items())
                     + f" match={matches.get(r.endpoint.url, PrefixMatch(0)).blocks}"
+                    + (
+                        f" survives={scored.get(r.endpoint.url, PrefixMatch(0)).blocks}"
+                        if scored is not matches
+                        else ""
+                    )
                     + (f" growth={g:.1f}" if (g := rreq.growth.get(r.endpoint.url)) else "")
                     for r in ranked
                 ),

@@ -302,6 +302,50 @@ async def test_a_cold_request_moves_to_an_engine_with_room_but_a_warm_one_stays(
     assert (await asyncio.wait_for(warm, 1)).endpoint is w.eps[0]
 
 
+def test_a_cached_prefix_counts_only_as_far_as_the_pool_keeps_it_beside_running_requests() -> None:
+    """What an engine will still hold of a prompt when it can start there (Gate.surviving): blocks our
+    running requests share with it stay; the rest only as far as the pool's room beside what they pin."""
+    w = World(20, 0)  # e0: 19 usable blocks; e1: pool size unknown
+    e0, e1 = w.eps
+    cold = PrefixMatch(10, gpu=10)
+    assert w.gate.surviving(e0, cold, hashes(2, 12)) == cold  # nothing runs there: nothing evicts it
+    w.gate.claim(e0, w.decision(hashes(1, 12), 0), 0)  # 12 blocks pinned, 7 left beside them
+    assert w.gate.surviving(e0, cold, hashes(2, 12)) == PrefixMatch(7, gpu=7)
+    # The 5 blocks it shares with the running request stay, and 7 more fit beside it.
+    sharing = array("Q", [*hashes(1, 5), *hashes(3, 10)])
+    assert w.gate.surviving(e0, PrefixMatch(14, gpu=10, predicted=4), sharing) == PrefixMatch(
+        12, gpu=8, predicted=4
+    )
+    small = PrefixMatch(6, gpu=6)
+    assert w.gate.surviving(e0, small, hashes(2, 12)) == small  # fits in the room left
+    tiered = PrefixMatch(10, gpu=4, cpu=6)
+    assert w.gate.surviving(e0, tiered, hashes(2, 12)) == tiered  # not the GPU pool's alone
+    w.gate.claim(e1, w.decision(hashes(1, 12), 1), 0)
+    assert w.gate.surviving(e1, cold, hashes(2, 12)) == cold  # pool size unknown
+    # Every engine's match at once: one left holding none of the prompt drops out.
+    w.gate.claim(e0, w.decision(hashes(4, 7), 0), 0)  # 19 pinned: no room left on e0
+    both = {e0.url: cold, e1.url: cold}
+    assert w.gate.surviving_matches(both, hashes(2, 12), w.eps) == {e1.url: cold}
+
+
+async def test_with_surviving_costs_a_warm_request_whose_home_cannot_keep_its_prefix_moves() -> None:
+    """The warm request of the test above, with held requests costed by what will survive: its home
+    runs 8 blocks in a pool of 9 usable, so its 8 cached blocks will be gone by the time it can start
+    there, and it goes to the engine that frees room first instead of waiting for its home."""
+    w = World(10, 10)
+    w.gate.surviving_costs = True
+    busy = await w.gate.admit(w.decision(hashes(1, 8), 0), 0)
+    other = await w.gate.admit(w.decision(hashes(9, 8), 1), 0)
+    w.held["http://e0"].update(hashes(3, 8))
+    warm = asyncio.ensure_future(w.gate.admit(w.decision(hashes(3, 8), 0), 0))
+    await asyncio.sleep(0.01)
+    assert not warm.done()
+    w.gate.release(other.claim)
+    grant = await asyncio.wait_for(warm, 1)
+    assert grant.how is Admitted.STOLEN and grant.endpoint is w.eps[1]
+    w.gate.release(busy.claim)
+
+
 async def test_without_stealing_a_cold_request_waits_for_its_own_engine() -> None:
     w = World(10, 10)
     w.gate.settings = AdmissionSettings(steal_when_home_holds_no_more=False)

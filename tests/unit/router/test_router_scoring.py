@@ -365,6 +365,26 @@ def _req(prompt: object) -> object:
     return parse_request(json.dumps({"model": "m", "prompt": prompt}).encode(), "completion", "m")
 
 
+async def test_with_surviving_match_an_engine_that_will_have_evicted_the_prompt_scores_as_holding_none() -> (
+    None
+):
+    """survivingMatch: the scorers see what an engine will still hold when the prompt can start there.
+    Engine a holds the prompt's three blocks, but runs a request pinning its whole pool: it drops out of
+    the scored matches (the decision keeps the index's own, for the header and the log)."""
+    for on in (True, False):
+        r = _router("kv-aware", survivingMatch=on)
+        a = r.pool.all()[0]
+        for e in r.pool.all():
+            e.kv_blocks = 5  # 4 usable blocks of 4 tokens
+        first = await r.decide(_req(list(range(12))))
+        r.index.predict(a.url, first.hashes, 60.0)
+        running = await r.decide(_req(list(range(100, 116))))  # four blocks, pinned on a
+        r.gate.claim(a, running, 0)
+        d = await r.decide(_req(list(range(12))))
+        assert d.request is not None and set(d.matches) == {a.url}
+        assert set(d.request.matches) == (set() if on else {a.url})
+
+
 async def test_kv_aware_reasons_and_predictions() -> None:
     r = _router("kv-aware")
     tokens = list(range(12))  # three blocks of 4
