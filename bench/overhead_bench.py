@@ -19,7 +19,10 @@ twice in a row: straight to nginx, then through the router; the figure is the pa
   flight, then for ``--huge-seconds`` while another connection keeps a ``--huge-chars`` prompt (4 MB)
   in flight through the same router, one after another. The figure is the short prompts' added latency
   beside the huge one (only those whose routed leg lay wholly inside a huge request) against idle: what
-  one huge prompt costs everyone else. kvstrata refuses prompts over ``maxPromptChars`` (2,000,000
+  one huge prompt costs everyone else. Between the two, a *control*: the same short prompts for the same
+  ``--huge-seconds`` with nothing else in flight, so beside and control hold about as many requests and
+  their tails compare like for like (the slowest of thousands of requests on two shared cores is the
+  scheduler's as much as the router's; the 40 idle ones have no tail to speak of). kvstrata refuses prompts over ``maxPromptChars`` (2,000,000
   characters by default) with a 413 at once; here it runs with the bound raised past the huge prompt,
   so the prompt is really read, parsed, tokenized, hashed and forwarded.
 
@@ -278,6 +281,30 @@ def in_flight_since(leg: tuple[float, float], spans: Sequence[tuple[float, float
     return next((s for s, e, _ in spans if s <= start and end <= e), None)
 
 
+def _timed_pairs(
+    direct: http.client.HTTPConnection,
+    routed: http.client.HTTPConnection,
+    short: Sequence[Request],
+    seconds: float,
+    keep_going: Callable[[], bool] = lambda: True,
+) -> tuple[list[tuple[float, float, float]], int]:
+    """Short prompts paired (direct, then routed) for ``seconds``: each routed leg's start, end and
+    added ms, and the errors."""
+    legs: list[tuple[float, float, float]] = []
+    errors = 0
+    deadline = time.perf_counter() + seconds
+    for req in itertools.cycle(short):
+        if time.perf_counter() >= deadline or not keep_going():
+            break
+        pair = _pair(direct, routed, req)
+        if pair is None:
+            errors += 1
+            continue
+        start, added = pair
+        legs.append((start, time.perf_counter(), added))
+    return legs, errors
+
+
 def _measure_beside_huge(
     direct_url: str,
     router_url: str,
@@ -286,27 +313,23 @@ def _measure_beside_huge(
     huge: Callable[[int], Request],
     seconds: float,
 ) -> dict[str, Any]:
-    """Short prompts' added latency with nothing else in flight, then beside huge prompts."""
+    """Short prompts' added latency with nothing else in flight (a few, then as many as beside: the
+    control), then beside huge prompts."""
     direct, routed = _conn(direct_url), _conn(router_url)
     idle_added: list[float] = []
+    control: list[tuple[float, float, float]] = []
     legs: list[tuple[float, float, float]] = []  # (router leg start, end, added ms)
     errors = 0
     sender = HugeSender(router_url, huge)
     try:
         idle_added, errors = _pairs(direct, routed, idle)
+        control, control_errors = _timed_pairs(direct, routed, short, seconds)
+        errors += control_errors
         sender.start()
         sender.sending.wait(60)
         time.sleep(0.05)  # the huge body is on the wire: localhost takes a few ms for 4 MB
-        deadline = time.perf_counter() + seconds
-        for req in itertools.cycle(short):
-            if time.perf_counter() >= deadline or not sender.is_alive():
-                break
-            pair = _pair(direct, routed, req)
-            if pair is None:
-                errors += 1
-                continue
-            start, added = pair
-            legs.append((start, time.perf_counter(), added))
+        legs, beside_errors = _timed_pairs(direct, routed, short, seconds, sender.is_alive)
+        errors += beside_errors
     finally:
         sender.stop.set()
         sender.join(300)
@@ -320,12 +343,18 @@ def _measure_beside_huge(
         if (since := in_flight_since((start, end), sender.spans)) is not None
     ]
     beside = [added for _, added in timeline]
+    controlled = [added for _, _, added in control]
     huge_ok = [e - s for s, e, status in sender.spans if status == 200]
     return {
         "mode": "beside-huge",
         "idle_p50_ms": _r(percentile(idle_added, 50)),
         "idle_p90_ms": _r(percentile(idle_added, 90)),
         "idle_max_ms": _r(max(idle_added, default=None)),
+        "control": len(controlled),
+        "control_p50_ms": _r(percentile(controlled, 50)),
+        "control_p90_ms": _r(percentile(controlled, 90)),
+        "control_p99_ms": _r(percentile(controlled, 99)),
+        "control_max_ms": _r(max(controlled, default=None)),
         "beside": len(beside),
         "short_timed": len(legs),
         "beside_p50_ms": _r(percentile(beside, 50)),
@@ -466,7 +495,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         f"  {name:28} {_SHORT_TOKENS}-token prompts beside a {args.huge_chars:,}-character"
                         f" one: added p50 {fmt(row['beside_p50_ms'], 2)} ms p99 {fmt(row['beside_p99_ms'], 2)}"
                         f" max {fmt(row['beside_max_ms'], 2)} ({row['beside']} of {row['short_timed']} beside;"
-                        f" idle p50 {fmt(row['idle_p50_ms'], 2)} ms); huge done {row['huge_done']}"
+                        f" idle p50 {fmt(row['idle_p50_ms'], 2)} ms; control p99"
+                        f" {fmt(row['control_p99_ms'], 2)} max {fmt(row['control_max_ms'], 2)});"
+                        f" huge done {row['huge_done']}"
                         f" (p50 {fmt(row['huge_p50_s'], 2)} s), errors {row['errors']}/{row['huge_errors']}",
                         flush=True,
                     )
@@ -578,6 +609,7 @@ def render_beside_huge(rows: Sequence[dict[str, Any]], settings: dict[str, Any])
                 [
                     "router",
                     "idle p50 / p90",
+                    "control p50 / p90 / p99 / max (n)",
                     "beside p50 / p90 / p99 / max",
                     "beside n",
                     "huge done (p50 s)",
@@ -587,6 +619,7 @@ def render_beside_huge(rows: Sequence[dict[str, Any]], settings: dict[str, Any])
                     [
                         r["router"],
                         f"{fmt(r['idle_p50_ms'], 2)} / {fmt(r['idle_p90_ms'], 2)}",
+                        _control(r),
                         f"{fmt(r['beside_p50_ms'], 2)} / {fmt(r['beside_p90_ms'], 2)} / "
                         f"{fmt(r['beside_p99_ms'], 2)} / {fmt(r['beside_max_ms'], 2)}",
                         f"{r['beside']} of {r['short_timed']}",
@@ -598,6 +631,16 @@ def render_beside_huge(rows: Sequence[dict[str, Any]], settings: dict[str, Any])
                 ],
             ),
         ]
+    )
+
+
+def _control(row: dict[str, Any]) -> str:
+    """The control's percentiles (runs before the forty-sixth session had none)."""
+    if "control" not in row:
+        return "-"
+    return (
+        f"{fmt(row['control_p50_ms'], 2)} / {fmt(row['control_p90_ms'], 2)} / "
+        f"{fmt(row['control_p99_ms'], 2)} / {fmt(row['control_max_ms'], 2)} ({row['control']})"
     )
 
 

@@ -43,3 +43,31 @@ def test_the_table_names_every_router_with_its_figures_and_huge_errors() -> None
         "0 / 1 (HTTP [200, 413])",
     ):
         assert cell in line, (cell, line)
+    assert " - " in line  # a run from before the control had none
+
+
+def test_the_control_stands_beside_the_short_prompts_timed_beside_a_huge_one() -> None:
+    row = {
+        "router": "kvstrata/kv-aware",
+        "idle_p50_ms": 0.9,
+        "idle_p90_ms": 1.1,
+        "control": 7000,
+        "control_p50_ms": 0.5,
+        "control_p90_ms": 0.8,
+        "control_p99_ms": 1.2,
+        "control_max_ms": 12.5,
+        "beside_p50_ms": 0.6,
+        "beside_p90_ms": 0.9,
+        "beside_p99_ms": 1.4,
+        "beside_max_ms": 15.0,
+        "beside": 6900,
+        "short_timed": 7001,
+        "huge_done": 2,
+        "huge_p50_s": 3.5,
+        "errors": 0,
+        "huge_errors": 0,
+        "huge_statuses": [200],
+    }
+    text = render_beside_huge([row], {"short_tokens": 256, "huge_chars": 4_000_000, "huge_seconds": 8.0})
+    line = next(ln for ln in text.splitlines() if ln.startswith("kvstrata/kv-aware"))
+    assert "0.50 / 0.80 / 1.20 / 12.50 (7000)" in line and "0.60 / 0.90 / 1.40 / 15.00" in line
