@@ -53,9 +53,11 @@ KVSTRATA_VARIANTS: dict[str, dict[str, str]] = {
     # in family draws 714 and 725 each steal evicted a live conversation elsewhere, whose next turn then
     # went cold or was stolen in turn).
     "no-steal": {"KVSTRATA_ROUTER_ADMISSION": '{"stealWhenHomeHoldsNoMore": false}'},
-    # Cached prefixes scored by what will survive the requests running beside them (survivingMatch, off
-    # by default; forty-sixth session).
+    # Cached prefixes scored by what will survive the requests running beside them (survivingMatch): the
+    # forty-sixth session ran it on as `@surviving-match` against the default then (off); on by default
+    # since, and `@no-surviving-match` is the router before it.
     "surviving-match": {"KVSTRATA_ROUTER_SURVIVING_MATCH": "true"},
+    "no-surviving-match": {"KVSTRATA_ROUTER_SURVIVING_MATCH": "false"},
     # The share bound (off by default) at the factor it was built with.
     "share-bound": {"KVSTRATA_ROUTER_SHARE_BOUND_FACTOR": "1.3"},
     # The Python app alone serving HTTP (dataPlane: python), as before the native front became the

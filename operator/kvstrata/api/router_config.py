@@ -272,8 +272,8 @@ class RouterSettings(_Wire):
         "elsewhere, and there it causes none",
     )
     surviving_match: bool = Field(
-        False,
-        description="Off unless set. Score an engine's cached prefix of a prompt by what will still be "
+        True,
+        description="On by default. Score an engine's cached prefix of a prompt by what will still be "
         "there when the prompt can start: blocks this router's running requests there share with it stay, "
         "the rest only as far as the pool's room beside those requests goes (the engine evicts the "
         "excess before this prompt can run; its events say so only after the step that does it). The "
