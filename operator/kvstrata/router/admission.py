@@ -261,7 +261,8 @@ class GateDeps:
 
 @dataclass(frozen=True, slots=True)
 class _Running:
-    """An engine's running claims as a pass began: their sorted keys and the distinct blocks they pin."""
+    """An engine's running claims (as a pass began, in a pass): their sorted keys and the distinct blocks
+    they pin."""
 
     keys: list[bytes]
     distinct: int
@@ -640,9 +641,11 @@ class Gate:
         predicted, which may be the waiter's own prediction) or what our in-flight requests there are
         computing (they will hold it by the time this one runs). ``key``: the waiter's hashes as bytes."""
         m = matches.get(ep.url)
-        if m and self.surviving_costs:
-            m = self.surviving(ep, m._replace(predicted=0), waiter.decision.hashes, key)
-        held = credited_blocks(m._replace(predicted=0), self.deps.tiers) if m else 0.0
+        if m:
+            m = m._replace(predicted=0)
+            if self.surviving_costs:
+                m = self.surviving(ep, m, waiter.decision.hashes, key)
+        held = credited_blocks(m, self.deps.tiers) if m else 0.0
         running = self._running(ep, key)
         d = waiter.decision
         return uncached_tokens(d.prompt_tokens, len(d.hashes), max(held, running), self.deps.block_size)
@@ -690,7 +693,7 @@ class Gate:
             return m
         shared = _longest_shared(running.keys, _key(hashes) if key is None else key)
         room = max(ep.kv_blocks - 1 - running.distinct, 0)  # vLLM keeps one block as its null block
-        kept = min(m.blocks, max(shared, 0) + room)
+        kept = min(m.blocks, shared + room)
         if kept >= m.blocks:
             return m
         predicted = min(m.predicted, kept)  # as counted by credited_blocks: only the sum matters
