@@ -35,6 +35,9 @@ KVSTRATA_VARIANTS: dict[str, dict[str, str]] = {
     "projected-fit": {"KVSTRATA_ROUTER_PROJECTED_FIT": "true"},
     # The rent-or-buy move of a held request (off by default) as it was built.
     "wait-move": {"KVSTRATA_ROUTER_ADMISSION": '{"moveWhenHeldPastPrefill": true}'},
+    # A held request moved where its blocks fit beside everything routed there lately, after waiting
+    # its extra prefill there (moveToSpareRoom, off by default; forty-seventh session).
+    "move-to-spare-room": {"KVSTRATA_ROUTER_ADMISSION": '{"moveToSpareRoom": true}'},
     # Anticipation keeping a room for every group followed in time (seventeenth session), and none at all:
     # the default keeps one only for groups whose turns evict each other (anticipateOnlyEvicted).
     "anticipate": {

@@ -234,6 +234,9 @@ def test_seed_lists_and_router_variants() -> None:
     assert settings("kvstrata/kv-aware@no-admission").admission.enabled is False
     assert settings("kvstrata/kv-aware@wait-move").admission.move_when_held_past_prefill is True
     assert settings("kvstrata/kv-aware").admission.move_when_held_past_prefill is False
+    spare = settings("kvstrata/kv-aware@move-to-spare-room").admission
+    assert spare.move_to_spare_room is True and spare.move_when_held_past_prefill is False
+    assert settings("kvstrata/kv-aware").admission.move_to_spare_room is False
     every = settings("kvstrata/kv-aware@anticipate").admission
     assert every.anticipate_seconds == 0.25 and not every.anticipate_only_evicted
     assert every.move_when_held_past_prefill is False

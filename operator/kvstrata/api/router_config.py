@@ -197,6 +197,16 @@ class AdmissionSettings(_Wire):
         "would cost there (its extra prefill and that of the cached blocks it evicts, at that engine's "
         "recent pace); off: it moves only if that costs no more prefill than its own engine",
     )
+    # Off until measured (forty-seventh session, docs/benchmarks.md). The rent-or-buy move above lost hit
+    # rate by evicting what the target's own conversations came back for; this one moves only where
+    # nothing lately asked for is evicted (family draw 861: three requests held ~0.8 s for one engine
+    # while another, idle for 47 s, had room).
+    move_to_spare_room: bool = Field(
+        False,
+        description="Send a held request to another engine whose pool has room for it beside every block "
+        "routed there in the last fitWindowSeconds (it evicts nothing lately asked for) once it has waited "
+        "as long as its extra prefill there would take, at that engine's recent pace",
+    )
     # On: off (a held request waits for its own engine) failed its rule on 14 held-out pressure draws,
     # off - on hit -0.3 +- 1.1 points, TTFT mean 0.99x, p99 0.97x (thirty-fourth session,
     # docs/benchmarks.md). Where steals happened the draws swung both ways (-9.4 to +9.9 points).

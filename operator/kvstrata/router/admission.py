@@ -257,6 +257,9 @@ class GateDeps:
     # A held request left its home for another engine: its prediction at the home is void. (The
     # scorers' own hooks are not undone: a moved request counts as recent traffic at both engines.)
     moved: Callable[[Decision, Endpoint], None]
+    # Whether ``blocks`` more fit in the engine's pool beside every block routed there lately (the fit
+    # scorer's demand, as of monotonic ``now``): a copy there evicts nothing lately asked for.
+    spare_room: Callable[[Endpoint, int, float], bool] = lambda ep, blocks, now: False
 
 
 @dataclass(frozen=True, slots=True)
@@ -719,19 +722,37 @@ class Gate:
         here, home = self._cost_of(w, ep), self._cost_of(w, w.home)
         if self.settings.steal_when_home_holds_no_more and here <= home + self.deps.block_size:
             return Admitted.STOLEN
-        return Admitted.MOVED if now >= self._move_at(w, ep, here - home) else None
+        return Admitted.MOVED if now >= self._move_at(w, ep, here - home, now) else None
 
-    def _move_at(self, w: _Waiter, ep: Endpoint, extra_tokens: float) -> float:
-        """When ``w`` has waited as long as moving to ``ep`` would cost there: its extra prefill, plus
-        the prefill of the cached blocks that prefill evicts (if they are asked for again: an upper
-        bound; blocks no index entry holds are free to fill)."""
-        if not self.settings.move_when_held_past_prefill or extra_tokens <= 0:
+    def _move_at(self, w: _Waiter, ep: Endpoint, extra_tokens: float, now: float) -> float:
+        """When ``w`` has waited as long as moving to ``ep`` would cost there (infinite: never).
+
+        ``moveWhenHeldPastPrefill``: its extra prefill, plus the prefill of the cached blocks that
+        prefill evicts (if they are asked for again: an upper bound; blocks no index entry holds are
+        free to fill). ``moveToSpareRoom``: its extra prefill alone, and only where its blocks fit
+        beside everything routed there lately, so that what it evicts is not about to be asked for."""
+        if extra_tokens <= 0:
             return math.inf
-        bs = self.deps.block_size
-        new_blocks = math.ceil(extra_tokens / bs)
-        free = max(ep.kv_blocks - 1 - self.deps.indexed_blocks(ep), 0) if ep.kv_blocks > 0 else new_blocks
-        prefill_s = ep.pace.seconds_for(extra_tokens + max(new_blocks - free, 0) * bs)
-        return math.inf if prefill_s is None else w.since + prefill_s
+        s = self.settings
+        at = math.inf
+        if s.move_when_held_past_prefill:
+            bs = self.deps.block_size
+            new_blocks = math.ceil(extra_tokens / bs)
+            free = max(ep.kv_blocks - 1 - self.deps.indexed_blocks(ep), 0) if ep.kv_blocks > 0 else new_blocks
+            prefill_s = ep.pace.seconds_for(extra_tokens + max(new_blocks - free, 0) * bs)
+            if prefill_s is not None:
+                at = w.since + prefill_s
+        if s.move_to_spare_room and self.deps.spare_room(ep, self._added_blocks(w, ep), now):
+            prefill_s = ep.pace.seconds_for(extra_tokens)
+            if prefill_s is not None:
+                at = min(at, w.since + prefill_s)
+        return at
+
+    @staticmethod
+    def _added_blocks(w: _Waiter, ep: Endpoint) -> int:
+        """The blocks of ``w``'s prompt that ``ep`` does not hold (as the pass's lookup saw it)."""
+        m = w.matches.get(ep.url)
+        return len(w.decision.hashes) - (m.blocks if m else 0)
 
     def _overdue(self, w: _Waiter, now: float) -> bool:
         """Whether held ``w`` has waited ``overdueAfterPrefills`` times its own prefill at its home, at
@@ -760,10 +781,14 @@ class Gate:
             w.key = _key(w.decision.hashes)
             w.keys = {}
             w.move_at = math.inf
-            if self.settings.move_when_held_past_prefill:
-                home = self._cost_of(w, w.home)
+            if self.settings.move_when_held_past_prefill or self.settings.move_to_spare_room:
+                home, now = self._cost_of(w, w.home), time.monotonic()
                 w.move_at = min(
-                    (self._move_at(w, ep, self._cost_of(w, ep) - home) for ep in usable if ep is not w.home),
+                    (
+                        self._move_at(w, ep, self._cost_of(w, ep) - home, now)
+                        for ep in usable
+                        if ep is not w.home
+                    ),
                     default=math.inf,
                 )
         return w

@@ -195,6 +195,7 @@ class Router:
                 indexed_blocks=lambda ep: self.index.blocks_of(ep.url),
                 commit=self.commit,
                 moved=self._moved,
+                spare_room=self._spare_room,
             ),
             surviving=settings.surviving_match,
         )
@@ -238,6 +239,12 @@ class Router:
         them (False without one)."""
         fit = self._scorer(FitScorer)
         return fit is not None and fit.over_pool(ep, now)
+
+    def _spare_room(self, ep: Endpoint, blocks: int, now: float) -> bool:
+        """Whether ``blocks`` more fit in ``ep``'s pool beside its recent demand (the fit scorer's; no
+        such scorer, or an unknown pool: no)."""
+        fit = self._scorer(FitScorer)
+        return fit is not None and fit.fits(ep, now, blocks)
 
     def mark_down(self, ep: Endpoint) -> None:
         """An engine that refuses connections lost its cache (or will have when it is back)."""

@@ -42,6 +42,8 @@ class World:
         self.silent: set[str] = set()
         self.committed: list[str] = []
         self.moved: list[str] = []
+        self.spare: set[str] = set()  # engines with room beside their recent demand (moveToSpareRoom)
+        self.spare_asked: list[tuple[str, int]] = []
         deps = GateDeps(
             lookup=self.lookup,
             tiers=TierWeights(),
@@ -52,8 +54,13 @@ class World:
             indexed_blocks=lambda ep: len(self.held[ep.url]),
             commit=lambda d, ep: self.committed.append(ep.url),
             moved=lambda d, ep: self.moved.append(ep.url),
+            spare_room=self.spare_room,
         )
         self.gate = Gate(settings or AdmissionSettings(), max_hold_s, deps)
+
+    def spare_room(self, ep: Endpoint, blocks: int, now: float) -> bool:
+        self.spare_asked.append((ep.url, blocks))
+        return ep.url in self.spare
 
     def lookup(self, hs: Sequence[int]) -> dict[str, PrefixMatch]:
         out = {}
@@ -617,6 +624,40 @@ async def test_a_move_that_evicts_cached_blocks_waits_for_their_prefill_too() ->
     assert grant.how is Admitted.MOVED and grant.endpoint is w.eps[1]
     both_s = w.eps[1].pace.seconds_for(2 * 7 * BS)  # its 7+ new blocks, and as many evicted
     assert both_s is not None and grant.held_s >= both_s
+
+
+async def test_a_warm_request_moves_to_spare_room_once_it_has_waited_its_extra_prefill_there() -> None:
+    """moveToSpareRoom: e1 has room for the prompt beside everything routed there lately, so the move
+    evicts nothing lately asked for; it is made once the request has waited as long as its extra prefill
+    at e1 would take (the blocks e1 already holds are not counted)."""
+    w = World(10, 10, settings=AdmissionSettings(move_to_spare_room=True))
+    await w.gate.admit(w.decision(hashes(1, 8), 0), 0)  # never released
+    w.held["http://e0"].update(hashes(3, 8))
+    w.held["http://e1"].update(hashes(3, 2))  # e1 holds the first 2 of its 8 blocks
+    w.spare.add("http://e1")
+    w.eps[1].pace.observe(10 * BS, 0.05)  # 10 blocks in 50 ms
+    grant = await asyncio.wait_for(w.gate.admit(w.decision(hashes(3, 8), 0), 0), 2)
+    assert grant.how is Admitted.MOVED and grant.endpoint is w.eps[1] and w.moved == ["http://e1"]
+    assert ("http://e1", 6) in w.spare_asked  # asked about the 6 blocks e1 lacks
+    extra_s = w.eps[1].pace.seconds_for(6 * BS)
+    assert extra_s is not None and grant.held_s >= extra_s
+
+
+async def test_with_move_to_spare_room_a_warm_request_stays_home_while_the_other_engine_is_in_demand() -> (
+    None
+):
+    """e1's pool has room now but not beside what was routed there lately: moving would evict what its
+    own conversations come back for, so the request waits for its home however long that takes."""
+    w = World(10, 10, settings=AdmissionSettings(move_to_spare_room=True))
+    busy = await w.gate.admit(w.decision(hashes(1, 8), 0), 0)
+    w.held["http://e0"].update(hashes(3, 8))
+    w.eps[1].pace.observe(10 * BS, 0.005)
+    warm = asyncio.ensure_future(w.gate.admit(w.decision(hashes(3, 8), 0), 0))
+    await asyncio.sleep(0.1)  # 25 times its extra prefill at e1's pace
+    assert not warm.done() and ("http://e1", 8) in w.spare_asked
+    w.gate.release(busy.claim)
+    grant = await asyncio.wait_for(warm, 1)
+    assert grant.how is Admitted.QUEUED and grant.endpoint is w.eps[0] and w.moved == []
 
 
 @pytest.mark.parametrize("why", ["rule off (the default)", "no pace yet"])

@@ -365,6 +365,23 @@ def _req(prompt: object) -> object:
     return parse_request(json.dumps({"model": "m", "prompt": prompt}).encode(), "completion", "m")
 
 
+async def test_the_gate_sees_spare_room_where_the_fit_scorers_demand_leaves_it() -> None:
+    """moveToSpareRoom's question to the router: do ``n`` more blocks fit in an engine's pool beside
+    every block routed there in the last fitWindowSeconds? A prompt of 8 blocks routed to a fills its
+    demand; b was routed nothing; a pool of unknown size never has spare room."""
+    r = _router("kv-aware", fitWindowSeconds=30)
+    a, b, c = r.pool.all()
+    a.kv_blocks = b.kv_blocks = 10
+    d = await r.decide(_req(list(range(32))))  # 8 blocks of 4 tokens
+    r.commit(d, a)
+    spare, now = r.gate.deps.spare_room, time.monotonic()
+    assert spare(a, 2, now) and not spare(a, 3, now)
+    assert spare(b, 10, now) and not spare(b, 11, now)
+    assert not spare(c, 1, now)  # pool size unknown
+    assert spare(a, 10, now + 31)  # the window has passed: nothing there is demanded
+    r.close()
+
+
 async def test_with_surviving_match_an_engine_that_will_have_evicted_the_prompt_scores_as_holding_none() -> (
     None
 ):
