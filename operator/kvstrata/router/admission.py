@@ -18,7 +18,10 @@ home holds better also *moves* to an engine with room once it has waited as long
 there, at that engine's recent pace: its extra prefill, and the prefill of the cached blocks that
 evicts (rent or buy: built for family draw 15, where 12 of 32 requests were held 3.4 s in all for their
 home while a third engine sat idle). It is off: on held-out pressure draws it cost 1.7 hit points and
-6 % of mean TTFT (3.6 points without the eviction term). Nothing is held longer than ``maxHoldSeconds``:
+6 % of mean TTFT (3.6 points without the eviction term): what a moved request adds evicts what the
+other engine's own conversations come back for. ``moveToSpareRoom`` (off by default) moves only where
+the request's blocks fit beside everything routed there lately, after its extra prefill there alone.
+Nothing is held longer than ``maxHoldSeconds``:
 then it goes to its engine's own queue, as it would have without the gate. Cheapest-first alone
 starves a long cold prompt while cheaper follow-ups keep coming; with ``overdueAfterPrefills`` (off by
 default: on held-out pressure draws it cost hit rate and TTFT) a request that has waited that many times
