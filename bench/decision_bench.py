@@ -11,6 +11,12 @@ number), ``--in-flight`` at once: each is parsed, decided, admitted by the gate 
 engine; the oldest in flight then ends (its claim released as answered, its prediction settled). The
 figures are µs per request: process CPU over the whole loop, and wall time per phase.
 
+A run's figure moves by several µs with what else the machine does (on the two-core VM, 58-80 µs for one
+code in four runs back to back), more than most changes to compare. So ``--rounds`` rounds, each a fresh
+router per policy, the policies in turn (reversed every other round, so neither always runs first): each
+row gives the median round and the range of all of them, and comparing two code versions means paired
+rounds, not one run against another.
+
 The router's own collector settings (`router/main.py: collect_rarely`) apply, and the tokenizer encodes on
 the calling thread (`router/workpool.py`), as in the router. No peer
 column: no peer router can be driven this way, so the figures compare code versions, not routers.
@@ -21,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -48,6 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2_000, help="requests routed first, unmeasured")
     p.add_argument("--in-flight", type=int, default=64, help="requests in flight (bench-proxy's connections)")
     p.add_argument("--engines", type=int, default=3, help="endpoints (bench-proxy's backend workers)")
+    p.add_argument("--rounds", type=int, default=5, help="rounds, each policy once per round")
     p.add_argument("--out", type=Path, default=Path(".bench/decision.json"))
     return p.parse_args(argv)
 
@@ -116,12 +124,29 @@ async def _measure(policy: str, args: argparse.Namespace, tokenizer: Path) -> di
     }
 
 
+def _summary(policy: str, rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One policy's rounds: the median round's figures (each its own median), and every round's CPU."""
+    cpu = [r["cpu_us_per_request"] for r in rounds]
+    return {
+        "policy": policy,
+        "cpu_us_per_request": round(statistics.median(cpu), 1),
+        "cpu_us_rounds": cpu,
+        "phase_us": {k: round(statistics.median(r["phase_us"][k] for r in rounds), 1) for k in PHASES},
+        "requests": rounds[0]["requests"],
+        "hashed": rounds[0]["hashed"],
+    }
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvstrata_dev.testing.tinymodel import default_tiny_model_dir, ensure_tiny_model
 
     tokenizer = ensure_tiny_model(default_tiny_model_dir())
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    rows = [asyncio.run(_measure(p, args, tokenizer)) for p in policies]
+    measured: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
+    for n in range(args.rounds):
+        for p in policies if n % 2 == 0 else policies[::-1]:
+            measured[p].append(asyncio.run(_measure(p, args, tokenizer)))
+    rows = [_summary(p, measured[p]) for p in policies]
     return {
         "benchmark": "decision",
         "machine": machine(),
@@ -130,6 +155,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "warmup": args.warmup,
             "in_flight": args.in_flight,
             "engines": args.engines,
+            "rounds": args.rounds,
         },
         "rows": rows,
     }
@@ -139,13 +165,19 @@ def render(payload: dict[str, Any]) -> str:
     s = payload["settings"]
     head = (
         f"decision and bookkeeping per request, in process: {s['requests']} requests shaped as "
-        f"bench-proxy's, {s['in_flight']} in flight, {s['engines']} engines"
+        f"bench-proxy's, {s['in_flight']} in flight, {s['engines']} engines; median of {s['rounds']} rounds "
+        "(range: every round's CPU)"
     )
     rows = [
-        [r["policy"], fmt(r["cpu_us_per_request"], 1), *(fmt(r["phase_us"][k], 1) for k in PHASES)]
+        [
+            r["policy"],
+            fmt(r["cpu_us_per_request"], 1),
+            f"{min(r['cpu_us_rounds']):.1f}-{max(r['cpu_us_rounds']):.1f}",
+            *(fmt(r["phase_us"][k], 1) for k in PHASES),
+        ]
         for r in payload["rows"]
     ]
-    headers = ["policy", "cpu us/req", *(f"{k} us" for k in PHASES)]
+    headers = ["policy", "cpu us/req", "range", *(f"{k} us" for k in PHASES)]
     return head + "\n" + table(headers, rows)
 
 

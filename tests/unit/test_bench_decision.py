@@ -10,7 +10,7 @@ from bench.decision_bench import PHASES, render, run
 
 def test_a_small_run_routes_every_request_and_renders_a_row_per_policy() -> None:
     args = argparse.Namespace(
-        policies="kv-aware,round-robin", requests=120, warmup=20, in_flight=8, engines=3
+        policies="kv-aware,round-robin", requests=120, warmup=20, in_flight=8, engines=3, rounds=3
     )
     payload = run(args)
     rows = {r["policy"]: r for r in payload["rows"]}
@@ -20,5 +20,8 @@ def test_a_small_run_routes_every_request_and_renders_a_row_per_policy() -> None
     assert rows["round-robin"]["hashed"] == 0
     for r in rows.values():
         assert r["requests"] == 120 and set(r["phase_us"]) == set(PHASES)
+        # Each policy ran once a round; the figure shown is the median round's.
+        assert len(r["cpu_us_rounds"]) == 3
+        assert r["cpu_us_per_request"] == sorted(r["cpu_us_rounds"])[1]
     out = render(payload)
     assert "kv-aware" in out and "round-robin" in out and len(out.splitlines()) == 5
