@@ -57,7 +57,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--engines", type=int, default=3, help="endpoints (bench-proxy's backend workers)")
     p.add_argument("--rounds", type=int, default=5, help="rounds, each policy once per round")
     p.add_argument("--out", type=Path, default=Path(".bench/decision.json"))
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    return args
 
 
 _BODY = request_body(stream=False, unique=True)
