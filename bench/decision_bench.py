@@ -35,7 +35,7 @@ from typing import Any
 from bench import nginx_backend
 from bench.procs import bench_main
 from bench.proxy_bench import request_body
-from bench.report import fmt, machine, table
+from bench.report import alternating, fmt, machine, table
 from bench.wrk import UNIQUE
 from kvstrata.api.router_config import RouterSettings
 from kvstrata.router.admission import Claim
@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     measured: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
     for n in range(args.rounds):
-        for p in policies if n % 2 == 0 else policies[::-1]:
+        for p in alternating(policies, n):
             measured[p].append(asyncio.run(_measure(p, args, tokenizer)))
     rows = [_summary(p, measured[p]) for p in policies]
     return {

@@ -27,7 +27,7 @@ from bench import nginx_backend
 from bench.family import paired
 from bench.procs import BenchError, ProcGroup, bench_main, http_post
 from bench.profile import record
-from bench.report import fmt, group_cpu_seconds, machine, table
+from bench.report import alternating, fmt, group_cpu_seconds, machine, table
 from bench.routers import RouterConfig, Worker, kvstrata_router_available, start_router
 from bench.wrk import UNIQUE, run_wrk, write_script
 
@@ -268,9 +268,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             script = write_script(args.workdir / f"wrk-{mode}.lua", request_body(stream, args.unique_prompts))
             urls = backend.sse_urls if stream else backend.json_urls
             for round_ in range(args.rounds):
-                # ABBA: a drift of the machine's speed over a run weighs on every router alike.
-                order = routers if round_ % 2 == 0 else routers[::-1]
-                for router in [None, *order]:
+                for router in [None, *alternating(routers, round_)]:
                     row = _row(procs, router, mode, urls, script, cfg, args, profile=round_ == 0)
                     row["round"] = round_
                     results.append(row)

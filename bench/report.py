@@ -10,9 +10,11 @@ import platform
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kvstrata_dev.testing.engines import cpuinfo_field
+
+T = TypeVar("T")
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -26,6 +28,12 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 def mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
+
+
+def alternating(items: Sequence[T], round_: int) -> Sequence[T]:
+    """``items`` in round ``round_``'s order, reversed every other round (ABBA): a drift of the machine's
+    speed over a run weighs on each of them alike."""
+    return items if round_ % 2 == 0 else items[::-1]
 
 
 def fmt(value: float | int | str | None, digits: int = 1) -> str:
