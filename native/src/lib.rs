@@ -13,6 +13,7 @@ mod front;
 mod incremental;
 mod predictions;
 mod ranking;
+mod rooms;
 
 use std::collections::VecDeque;
 
@@ -433,6 +434,7 @@ fn kvstrata_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<predictions::Prediction>()?;
     m.add_class::<predictions::Predictions>()?;
     m.add_class::<ranking::Ranker>()?;
+    m.add_class::<rooms::Rooms>()?;
     m.add_function(wrap_pyfunction!(ranking::py_rendezvous, m)?)?;
     front::register(m)?;
     Ok(())

@@ -44,16 +44,15 @@ counts only its own requests; the engine's queue takes the rest, as without the 
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
-import itertools
 import logging
 import math
 import time
-from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+
+import kvstrata_native
 
 from kvstrata.api.router_config import AdmissionSettings, TierWeights
 from kvstrata.router.decision import Decision
@@ -107,18 +106,6 @@ class Claim:
     # Whose blocks: a prompt routed on its leading blocks is hashed whole later (Gate.rehashed).
     decision: Decision | None = None
     output: int = 0  # output tokens counted in ``blocks``
-    _key: bytes | None = None
-
-    @property
-    def key(self) -> bytes:
-        if self._key is None:
-            self._key = _key(self.hashes)
-        return self._key
-
-
-def _key(hashes: Sequence[int]) -> bytes:
-    """Block hashes as bytes: prompts that share k leading blocks share 8k leading bytes."""
-    return (hashes if isinstance(hashes, array) else array("Q", hashes)).tobytes()
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,15 +118,6 @@ class Grant:
 
 
 @dataclass(eq=False, slots=True)
-class _Reservation:
-    """An ended request's room on its engine, kept for its follow-up until ``until`` (monotonic)."""
-
-    claim: Claim
-    until: float
-    open: bool = True  # until its follow-up takes it or it expires
-
-
-@dataclass(eq=False, slots=True)
 class _Waiter:
     decision: Decision
     home: Endpoint
@@ -147,99 +125,13 @@ class _Waiter:
     claim_blocks: int
     since: float
     future: asyncio.Future[Grant]
-    # As of pass ``weighed``: what the index holds of it, its hashes as bytes, and its cost per endpoint
-    # URL, each cost filled in when the pass first asks (Gate._cost_of).
+    # As of pass ``weighed``: what the index holds of it, and its cost per endpoint URL, each cost filled
+    # in when the pass first asks (Gate._cost_of).
     weighed: int = -1
     matches: dict[str, PrefixMatch] = field(default_factory=dict)
-    key: bytes = b""
     keys: dict[str, float] = field(default_factory=dict)
     move_at: float = math.inf  # monotonic time it may move to some other engine (this pump's estimate)
     follow_up: FollowUp | None = None  # the request it extends ended within the window, keeping no room
-
-
-def _common_blocks(a: bytes, b: bytes) -> int:
-    """Leading blocks two claims share. Block hashes are chained (each covers its whole prefix), so
-    "block i is the same" holds for a leading run only: a binary search on single blocks finds its end."""
-    if a[:8] != b[:8]:  # most pairs are different prompts': not even the first block in common
-        return 0
-    if a == b:  # the same full blocks (prompts that differ only in their last, partial block)
-        return len(a) // 8
-    lo, hi = 0, min(len(a), len(b)) // 8
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        at = (mid - 1) * 8
-        if a[at : at + 8] == b[at : at + 8]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def distinct_blocks(claims: Sequence[Claim]) -> int:
-    """Blocks the claims pin together: a prefix shared by several counts once.
-
-    Block hashes are chained, so the claims' prompts form a trie; sorted, its size is the sum of the
-    lengths less what each shares with its predecessor."""
-    if len(claims) < 2:
-        return sum(c.blocks for c in claims)
-    ordered = sorted(claims, key=lambda c: c.key)
-    total = ordered[0].blocks
-    for prev, cur in itertools.pairwise(ordered):
-        total += cur.blocks - _common_blocks(prev.key, cur.key)
-    return total
-
-
-def _longest_shared(keys: list[bytes], key: bytes) -> int:
-    """The most leading blocks ``key`` shares with one of the sorted ``keys``: the one sharing the
-    longest prefix with ``key`` stands beside where ``key`` would go."""
-    at = bisect.bisect_left(keys, key)
-    return max((_common_blocks(key, keys[i]) for i in (at - 1, at) if 0 <= i < len(keys)), default=0)
-
-
-@dataclass(slots=True)
-class _Pinned:
-    """One engine's running claims as :func:`distinct_blocks` sees them, kept as claims come and go: their
-    keys in sorted order, every claim's blocks, and what neighbours share. Each change touches only its
-    neighbours (a bisection), where sorting them all again at every admission cost ~0.4 ms with 256
-    running requests on a nearly full pool (bench-admission)."""
-
-    keys: list[bytes] = field(default_factory=list)
-    total: int = 0  # every claim's blocks, a shared prefix counted as often as it is pinned
-    shared: int = 0  # blocks each key shares with the one before it, summed
-
-    @property
-    def distinct(self) -> int:
-        return self.total - self.shared
-
-    def _shared_at(self, at: int, key: bytes) -> int:
-        """What ``key``, standing at index ``at`` between its neighbours, adds to ``shared``."""
-        keys = self.keys
-        before = keys[at - 1] if at > 0 else None
-        after = keys[at] if at < len(keys) else None
-        added = 0
-        if before is not None:
-            added += _common_blocks(before, key)
-        if after is not None:
-            added += _common_blocks(key, after)
-            if before is not None:
-                added -= _common_blocks(before, after)
-        return added
-
-    def add(self, key: bytes, blocks: int) -> None:
-        at = bisect.bisect_left(self.keys, key)
-        self.shared += self._shared_at(at, key)
-        self.keys.insert(at, key)
-        self.total += blocks
-
-    def remove(self, key: bytes, blocks: int) -> None:
-        at = bisect.bisect_left(self.keys, key)  # the first of equal keys: any one leaves the same trie
-        del self.keys[at]
-        self.shared -= self._shared_at(at, key)
-        self.total -= blocks
-
-    def distinct_with(self, key: bytes, blocks: int) -> int:
-        """:attr:`distinct` with one more claim of ``blocks`` whose key is ``key``."""
-        return self.distinct + blocks - self._shared_at(bisect.bisect_left(self.keys, key), key)
 
 
 @dataclass(slots=True)
@@ -265,15 +157,6 @@ class GateDeps:
     spare_room: Callable[[Endpoint, int, float], bool] = lambda ep, blocks, now: False
 
 
-@dataclass(frozen=True, slots=True)
-class _Running:
-    """An engine's running claims (as a pass began, in a pass): their sorted keys and the distinct blocks
-    they pin."""
-
-    keys: list[bytes]
-    distinct: int
-
-
 class Gate:
     def __init__(
         self, settings: AdmissionSettings, max_hold_s: float, deps: GateDeps, *, surviving: bool = False
@@ -283,23 +166,18 @@ class Gate:
         self.surviving_costs = surviving
         self.max_hold_s = max_hold_s
         self.deps = deps
-        self._claims: dict[str, list[Claim]] = {}
-        # The same claims per endpoint URL as sorted tries: alone, and with the rooms kept for follow-ups.
-        self._pinned: dict[str, _Pinned] = {}
-        self._pinned_kept: dict[str, _Pinned] = {}
+        self._claims: dict[str, dict[Claim, None]] = {}  # per endpoint URL, in order of claiming
+        # The distinct blocks the claims pin per engine, alone and with the rooms kept for follow-ups,
+        # and the kept rooms themselves (native/src/rooms.rs).
+        self._rooms = kvstrata_native.Rooms()
         self._held_at: dict[Endpoint, list[_Waiter]] = {}  # held requests by home, in arrival order
         self._recheck: asyncio.TimerHandle | None = None
         self._room_ends: asyncio.TimerHandle | None = None  # see _pass_when_a_room_ends
         self._passes = 0  # pump passes so far: a waiter's costs are weighed once per pass
-        # During a pass: the URLs in rotation, and the running claims' keys as the pass began of the
-        # engines whose claims it has changed (a cost asked late in a pass is the cost at its start).
-        self._usable: set[str] = set()
-        self._frozen: dict[str, _Running] | None = None
+        self._usable: set[str] = set()  # during a pass: the URLs in rotation
         self._followups: FollowUpLearner = NativeFollowUps(
             settings.anticipate_seconds, only_evicted=settings.anticipate_only_evicted
         )
-        self._reserved: dict[str, list[_Reservation]] = {}  # per endpoint URL, in order of expiry
-        self._reserved_for: dict[int, list[_Reservation]] = {}  # open ones, by their prompt's last block
 
     # --- bookkeeping -----------------------------------------------------------------------------
     def output(self, output_tokens: int | None) -> int:
@@ -317,9 +195,13 @@ class Gate:
         blocks = self.blocks(decision, output)
         if blocks is None:
             return None
+        self._rooms.pin(ep.url, decision.hashes, blocks)
+        return self._claimed(ep, decision, output, blocks)
+
+    def _claimed(self, ep: Endpoint, decision: Decision, output: int, blocks: int) -> Claim:
+        """The claim of blocks just pinned on ``ep``."""
         c = Claim(ep, decision.hashes, blocks, decision, output)
-        self._claims.setdefault(ep.url, []).append(c)
-        self._pin(c)
+        self._claims.setdefault(ep.url, {})[c] = None
         return c
 
     def rehashed(self, decision: Decision) -> None:
@@ -332,9 +214,10 @@ class Gate:
         for claims in self._claims.values():
             for c in claims:
                 if c.decision is decision and (n := self.blocks(decision, c.output)) is not None:
-                    self._unpin(c)
-                    c.hashes, c.blocks, c._key = decision.hashes, n, None
-                    self._pin(c)
+                    url = c.endpoint.url
+                    self._rooms.unpin(url, c.hashes, c.blocks)
+                    c.hashes, c.blocks = decision.hashes, n
+                    self._rooms.pin(url, c.hashes, c.blocks)
         for held in self._held_at.values():
             for w in held:
                 if w.decision is decision and (n := self.blocks(decision, w.output)) is not None:
@@ -344,20 +227,28 @@ class Gate:
 
     def release(self, claim: Claim | None, *, ended: bool = False) -> None:
         """``claim``'s request is over on its engine; ``ended``: it was answered in full (not failed,
-        nor left by its client), so a follow-up may come."""
+        nor left by its client), so a follow-up may come: where its group usually sends one at once,
+        its room is kept for it (its blocks stay counted among the kept) for ``anticipateSeconds``."""
         if claim is None:
             return
-        claims = self._claims.get(claim.endpoint.url)
+        url = claim.endpoint.url
+        claims = self._claims.get(url)
         if claims is not None and claim in claims:
-            claims.remove(claim)
+            del claims[claim]
             now = time.monotonic()
-            keep = ended and self.settings.anticipate_seconds > 0 and self._followed(claim, now)
-            # A room kept for its follow-up counts the claim's blocks as it did while running: they stay
-            # in the kept trie (taking them out and putting them back leaves the same trie, at twice
-            # the bisections).
-            self._unpin(claim, kept=keep)
-            if keep:
-                self._anticipate(claim, now)
+            window = self.settings.anticipate_seconds
+            if ended and window > 0 and self._followed(claim, now):
+                self._rooms.unpin(url, claim.hashes, claim.blocks, claim.endpoint, now + window, now)
+                log.debug(
+                    "reserve prefix=%016x blocks=%d at %s for %.3fs",
+                    claim.hashes[0],
+                    claim.blocks,
+                    url,
+                    window,
+                )
+                self._pass_when_a_room_ends()
+            else:
+                self._rooms.unpin(url, claim.hashes, claim.blocks)
         if self._held_at:
             self.pump()
 
@@ -366,104 +257,20 @@ class Gate:
         self._followups.ended(claim.hashes, claim.endpoint.url, now)
         return self._followups.expected(claim.hashes)
 
-    def _anticipate(self, claim: Claim, now: float) -> None:
-        """Keep ``claim``'s room for its follow-up (its blocks are still in the kept trie)."""
-        window = self.settings.anticipate_seconds
-        # Rooms are closed as they expire wherever they are counted; a follow-up taking its room counts
-        # none, so where every request is one (an agent's loop) only this keeps the list from growing.
-        self._expire(claim.endpoint.url, now)
-        # The room needs the claim's blocks and hashes, not its request: that is freed now, while its
-        # objects are still in the cache, not when the room ends (the end of a room freed a request's
-        # whole decision, cold: 5 % of the request path in process).
-        claim.decision = None
-        r = _Reservation(claim, now + window)
-        # Every room is kept equally long from now (the window is a setting, the clock monotonic), so the
-        # newest ends last: appending keeps the list in order of expiry.
-        self._reserved.setdefault(claim.endpoint.url, []).append(r)
-        self._reserved_for.setdefault(claim.hashes[-1], []).append(r)
-        log.debug(
-            "reserve prefix=%016x blocks=%d at %s for %.3fs",
-            claim.hashes[0],
-            claim.blocks,
-            claim.endpoint.url,
-            window,
-        )
-        self._pass_when_a_room_ends()
-
-    def _pin(self, c: Claim) -> None:
-        self._freeze(c.endpoint.url)
-        self._pinned.setdefault(c.endpoint.url, _Pinned()).add(c.key, c.blocks)
-        self._pinned_kept.setdefault(c.endpoint.url, _Pinned()).add(c.key, c.blocks)
-
-    def _unpin(self, c: Claim, *, kept: bool = False) -> None:
-        """``c`` no longer runs; ``kept``: its room is kept for a follow-up, so its blocks stay in the
-        kept trie (until the room closes)."""
-        self._freeze(c.endpoint.url)
-        self._pinned[c.endpoint.url].remove(c.key, c.blocks)
-        if not kept:
-            self._pinned_kept[c.endpoint.url].remove(c.key, c.blocks)
-
-    def _freeze(self, url: str) -> None:
-        """In a pass, keep ``url``'s running claims as the pass began before they change."""
-        if self._frozen is not None and url not in self._frozen:
-            self._frozen[url] = self._running_now(url)
-
-    def _running_now(self, url: str) -> _Running:
-        pinned = self._pinned.get(url)
-        return _Running([], 0) if pinned is None else _Running(list(pinned.keys), pinned.distinct)
-
-    def _running_at(self, url: str) -> _Running:
-        """``url``'s running claims: as the pass began, in a pass; else now."""
-        frozen = None if self._frozen is None else self._frozen.get(url)
-        return frozen if frozen is not None else self._running_now(url)
-
-    def _close(self, r: _Reservation) -> None:
-        """A kept room is taken or expired: it no longer counts."""
-        r.open = False
-        self._pinned_kept[r.claim.endpoint.url].remove(r.claim.key, r.claim.blocks)
-        same = self._reserved_for[r.claim.hashes[-1]]
-        same.remove(r)
-        if not same:
-            del self._reserved_for[r.claim.hashes[-1]]
-
-    def _expire(self, url: str, now: float) -> None:
-        """Close the rooms kept on ``url`` whose window has ended."""
-        rs = self._reserved.get(url)
-        if not rs or rs[0].until > now:
-            return
-        # From the front, not by bisection: a call finds the few that ended since the last one, where a
-        # bisection over the hundreds kept per engine at bench-proxy's rate called the key about 8 times.
-        ended = 1
-        while ended < len(rs) and rs[ended].until <= now:
-            ended += 1
-        for r in rs[:ended]:
-            if r.open:
-                self._close(r)
-        del rs[:ended]
-        if not rs:
-            del self._reserved[url]
-
     def _take_reservation(self, follow_up: FollowUp | None, now: float) -> Endpoint | None:
         """The engine where the request ``follow_up`` extends kept its room, or None. The room is given
         up: the follow-up claims it."""
         if follow_up is None:
             return None
-        same = self._reserved_for.get(follow_up.last)
-        while same:  # oldest first: closed whether taken or found expired
-            r = same[0]
-            self._close(r)
-            if r.until > now:
-                return r.claim.endpoint
-        return None
+        ep: Endpoint | None = self._rooms.take(follow_up.last, now)
+        return ep
 
     def in_flight_blocks(self, ep: Endpoint) -> int:
-        pinned = self._pinned.get(ep.url)
-        return 0 if pinned is None else pinned.distinct
+        return self._rooms.in_flight(ep.url)
 
     def reserved_blocks(self, ep: Endpoint) -> int:
         """Blocks kept on ``ep`` for follow-ups of requests that ended there."""
-        self._expire(ep.url, time.monotonic())
-        return distinct_blocks([r.claim for r in self._reserved.get(ep.url, ()) if r.open])
+        return self._rooms.reserved(ep.url, time.monotonic())
 
     def held(self) -> int:
         return sum(map(len, self._held_at.values()))
@@ -472,17 +279,7 @@ class Gate:
         """Room for ``blocks`` more on ``ep``: always when nothing of ours runs there (nor is kept for a
         follow-up) or its pool is unknown (a request larger than the pool must still run, and the engine
         says if it cannot). ``kept``: rooms kept for follow-ups count as taken."""
-        if ep.kv_blocks <= 0:
-            return True
-        if kept:
-            self._expire(ep.url, time.monotonic())
-        pinned = (self._pinned_kept if kept else self._pinned).get(ep.url)
-        if pinned is None or not pinned.keys:
-            return True
-        pool = ep.kv_blocks - 1  # vLLM keeps one block of its pool as the null block
-        if pinned.total + blocks <= pool:
-            return True  # the cheap bound: shared prefixes counted as often as they are pinned
-        return pinned.distinct_with(_key(hashes), blocks) <= pool
+        return self._rooms.fits(ep.url, ep.kv_blocks, hashes, blocks, kept=kept, now=time.monotonic())
 
     # --- admission -------------------------------------------------------------------------------
     async def admit(self, decision: Decision, output_tokens: int | None) -> Grant:
@@ -494,8 +291,8 @@ class Gate:
         if not self.settings.enabled or blocks is None or decision.request is None:
             return Grant(home, Admitted.UNGATED, 0.0, self.claim(home, decision, out), out)
         unkept: FollowUp | None = None
+        now = time.monotonic()
         if self.settings.anticipate_seconds > 0:
-            now = time.monotonic()
             follow_up = self._followups.arrived(decision.hashes, now)
             # The room its conversation's last request kept is its own: it goes before those held there.
             # Rooms kept for other conversations do not hold it back: they keep out requests that would
@@ -510,9 +307,11 @@ class Gate:
                 return Grant(home, Admitted.RESERVED, 0.0, self.claim(home, decision, out), out)
             if kept_at is not None and self._held_at:
                 self.pump()  # routed elsewhere: the room kept for it is free
-        if not self._waiting_for(home) and self.fits(home, blocks, decision.hashes):
+        if not self._waiting_for(home) and self._rooms.pin_if_fits(
+            home.url, home.kv_blocks, decision.hashes, blocks, now
+        ):
             self._found(unkept, decision.matches)
-            return Grant(home, Admitted.DIRECT, 0.0, self.claim(home, decision, out), out)
+            return Grant(home, Admitted.DIRECT, 0.0, self._claimed(home, decision, out, blocks), out)
         loop = asyncio.get_running_loop()
         waiter = _Waiter(
             decision, home, out, blocks, time.monotonic(), loop.create_future(), follow_up=unkept
@@ -593,10 +392,7 @@ class Gate:
         if self._room_ends is not None or not self._held_at:
             return
         now = time.monotonic()
-        ends = min(
-            (next((r.until for r in rs if r.until > now), math.inf) for rs in self._reserved.values()),
-            default=math.inf,
-        )
+        ends = self._rooms.next_end(now)
         if ends == math.inf:
             return
         with contextlib.suppress(RuntimeError):
@@ -642,24 +438,24 @@ class Gate:
         )
         waiter.future.set_result(Grant(ep, how, held, claim, waiter.output))
 
-    def _cost(self, waiter: _Waiter, ep: Endpoint, matches: dict[str, PrefixMatch], key: bytes) -> float:
+    def _cost(self, waiter: _Waiter, ep: Endpoint, matches: dict[str, PrefixMatch]) -> float:
         """Prompt tokens ``ep`` must compute for the waiter now: what it holds (not what the router
         predicted, which may be the waiter's own prediction) or what our in-flight requests there are
-        computing (they will hold it by the time this one runs). ``key``: the waiter's hashes as bytes."""
+        computing (they will hold it by the time this one runs)."""
+        d = waiter.decision
         m = matches.get(ep.url)
         if m:
             m = m._replace(predicted=0)
             if self.surviving_costs:
-                m = self.surviving(ep, m, waiter.decision.hashes, key)
+                m = self.surviving(ep, m, d.hashes)
         held = credited_blocks(m, self.deps.tiers) if m else 0.0
-        running = self._running(ep, key)
-        d = waiter.decision
+        running = self._running(ep, d.hashes)
         return uncached_tokens(d.prompt_tokens, len(d.hashes), max(held, running), self.deps.block_size)
 
-    def _running(self, ep: Endpoint, key: bytes) -> int:
-        """The most leading blocks ``key`` shares with a request of ours running on ``ep`` (as the pass
+    def _running(self, ep: Endpoint, hashes: Sequence[int]) -> int:
+        """The most leading blocks a prompt shares with a request of ours running on ``ep`` (as the pass
         began, in a pass; two comparisons, not one per running request: a GPU engine runs hundreds)."""
-        return _longest_shared(self._running_at(ep.url).keys, key)
+        return self._rooms.longest_shared(ep.url, hashes)
 
     def surviving_matches(
         self, matches: dict[str, PrefixMatch], hashes: Sequence[int], eps: Sequence[Endpoint]
@@ -670,18 +466,15 @@ class Gate:
         if not matches:
             return matches
         by_url = {ep.url: ep for ep in eps}
-        key = _key(hashes)
         left: dict[str, PrefixMatch] = {}
         for url, m in matches.items():
             ep = by_url.get(url)
-            kept = m if ep is None else self.surviving(ep, m, hashes, key)
+            kept = m if ep is None else self.surviving(ep, m, hashes)
             if kept.blocks:
                 left[url] = kept
         return left
 
-    def surviving(
-        self, ep: Endpoint, m: PrefixMatch, hashes: Sequence[int], key: bytes | None = None
-    ) -> PrefixMatch:
+    def surviving(self, ep: Endpoint, m: PrefixMatch, hashes: Sequence[int]) -> PrefixMatch:
         """What of ``m`` (``ep``'s cached prefix of a prompt, as the index says) ``ep`` will still hold
         when the prompt can start there. The blocks it shares with our requests running there stay (they
         are in use); the rest are free blocks, and a pool that cannot hold both them and what those
@@ -694,12 +487,7 @@ class Gate:
         Only GPU blocks and predictions are clipped: the CPU and storage tiers are not the pool."""
         if ep.kv_blocks <= 0 or m.cpu or m.storage:
             return m
-        running = self._running_at(ep.url)
-        if not running.keys:
-            return m
-        shared = _longest_shared(running.keys, _key(hashes) if key is None else key)
-        room = max(ep.kv_blocks - 1 - running.distinct, 0)  # vLLM keeps one block as its null block
-        kept = min(m.blocks, shared + room)
+        kept = self._rooms.surviving(ep.url, ep.kv_blocks, hashes, m.blocks)
         if kept >= m.blocks:
             return m
         predicted = min(m.predicted, kept)  # as counted by credited_blocks: only the sum matters
@@ -713,7 +501,7 @@ class Gate:
         if cost is None:
             if ep.url not in self._usable:
                 return math.inf
-            cost = w.keys[ep.url] = self._cost(w, ep, w.matches, w.key)
+            cost = w.keys[ep.url] = self._cost(w, ep, w.matches)
         return cost
 
     def _may_move(self, w: _Waiter, ep: Endpoint, usable: list[Endpoint], now: float) -> Admitted | None:
@@ -781,7 +569,6 @@ class Gate:
         if w.weighed != self._passes:
             w.weighed = self._passes
             w.matches = self.deps.lookup(w.decision.hashes)
-            w.key = _key(w.decision.hashes)
             w.keys = {}
             w.move_at = math.inf
             if self.settings.move_when_held_past_prefill or self.settings.move_to_spare_room:
@@ -809,18 +596,18 @@ class Gate:
         """Send held requests where there is room: each engine its cheapest waiter (its own first,
         then one that may move there: see :meth:`_may_move`), until nothing more fits. Each engine's
         oldest few are weighed (``_WEIGHED``) as the pass begins. What is sent changes the rest's costs,
-        so a cost asked later in the pass is the cost at its start (``_frozen``): a pass's choices are
-        those of costing every weighed request everywhere first."""
+        so a cost asked later in the pass is the cost at its start (``Rooms.begin_pass``): a pass's
+        choices are those of costing every weighed request everywhere first."""
         if not self._held_at:
             return
         self._passes += 1
         usable = [ep for ep in self.deps.endpoints() if self.deps.usable(ep)]
         self._usable = {ep.url for ep in usable}
-        self._frozen = {}
+        self._rooms.begin_pass()
         try:
             self._send(usable)
         finally:
-            self._frozen = None
+            self._rooms.end_pass()
 
     def _send(self, usable: list[Endpoint]) -> None:
         """One pass's sending (see :meth:`pump`)."""

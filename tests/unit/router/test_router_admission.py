@@ -10,11 +10,12 @@ import random
 from array import array
 from collections.abc import Sequence
 
+import kvstrata_native
 import pytest
 
 from kvstrata.api.router_config import AdmissionSettings, TierWeights
 from kvstrata.router import admission
-from kvstrata.router.admission import Admitted, Claim, Gate, GateDeps, Grant, distinct_blocks
+from kvstrata.router.admission import Admitted, Claim, Gate, GateDeps, Grant
 from kvstrata.router.decision import Decision
 from kvstrata.router.followups import FollowUp
 from kvstrata.router.index import PrefixMatch
@@ -80,18 +81,37 @@ class World:
         )
 
 
+def distinct_blocks(claims: Sequence[tuple[Sequence[int], int]]) -> int:
+    """The plain count the gate's rooms keep: every distinct prefix of the claims' block hashes (a node
+    of their trie) once, plus each claim's blocks beyond its full ones (its partial last block and its
+    output), which are its own."""
+    nodes = {tuple(hs[: i + 1]) for hs, _ in claims for i in range(len(hs))}
+    return len(nodes) + sum(blocks - len(hs) for hs, blocks in claims)
+
+
+def common_blocks(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def test_shared_prefixes_count_once() -> None:
-    ep = Endpoint(EndpointSpec("http://e"))
-    a = Claim(ep, hashes(1, 10), 11)
-    b = Claim(ep, array("Q", [*hashes(1, 6), 77, 78]), 9)  # shares 6 blocks with a
-    c = Claim(ep, hashes(2, 4), 5)
-    assert distinct_blocks([a]) == 11
+    a = (hashes(1, 10), 11)
+    b = (array("Q", [*hashes(1, 6), 77, 78]), 9)  # shares 6 blocks with a
+    c = (hashes(2, 4), 5)
+    d = (hashes(1, 10), 11)  # the same full blocks as a (prompts that differ only in a partial last block)
     assert distinct_blocks([a, b, c]) == 11 + 9 - 6 + 5
-    assert distinct_blocks([c, b, a]) == distinct_blocks([a, b, c])
-    # The same full blocks (prompts that differ only in a partial last block): one more block, its own.
-    d = Claim(ep, hashes(1, 10), 11)
-    assert distinct_blocks([a, d]) == 12
-    assert distinct_blocks([a, b, c, d]) == 11 + 9 - 6 + 5 + 1
+    for order in ([a], [a, b, c], [c, b, a], [a, d], [a, b, c, d], [d, c, b, a]):
+        rooms = kvstrata_native.Rooms()
+        for hs, blocks in order:
+            rooms.pin("http://e", hs, blocks)
+        assert rooms.in_flight("http://e") == distinct_blocks(order)
+    # Equal keys leave the same trie whichever one goes; a claim never pinned is refused, not guessed.
+    rooms.unpin("http://e", *a)
+    assert rooms.in_flight("http://e") == distinct_blocks([b, c, d])
+    with pytest.raises(KeyError):
+        rooms.unpin("http://e", hashes(3, 2), 2)
 
 
 def test_the_pinned_blocks_are_kept_as_requests_and_kept_rooms_come_and_go(
@@ -117,7 +137,7 @@ def test_the_pinned_blocks_are_kept_as_requests_and_kept_rooms_come_and_go(
     leading: list[Decision] = []
     for _ in range(400):
         roll = rng.random()
-        claims = w.gate._claims.get(ep.url, [])
+        claims = list(w.gate._claims.get(ep.url, ()))
         if roll < 0.3 and claims:
             w.gate.release(rng.choice(claims), ended=rng.random() < 0.7)
         elif roll < 0.4 and leading:
@@ -127,25 +147,24 @@ def test_the_pinned_blocks_are_kept_as_requests_and_kept_rooms_come_and_go(
             w.gate.rehashed(d)
         elif roll < 0.5:
             clock.t += rng.choice((0.05, 0.1, 0.3))
-        elif roll < 0.6 and (rooms := [r for rs in w.gate._reserved.values() for r in rs if r.open]):
-            room = rng.choice(rooms).claim
-            follow_up = FollowUp(room.hashes[-1], ep.url, len(room.hashes), room.hashes[0])
+        elif roll < 0.6 and (rooms := w.gate._rooms.open_rooms()):
+            _, room, _, _ = rng.choice(rooms)
+            follow_up = FollowUp(room[-1], ep.url, len(room), room[0])
             assert w.gate._take_reservation(follow_up, clock.t) in (ep, None)
         else:
             d = w.decision(prompt(), 0, tokens=None)
             d.prompt_tokens = len(d.hashes) * BS + rng.randrange(0, BS)  # a partial last block or not
             w.gate.claim(ep, d, rng.randrange(0, 3 * BS))
             leading.append(d)
-        claims = w.gate._claims.get(ep.url, [])
-        kept = [r.claim for rs in w.gate._reserved.values() for r in rs if r.open and r.until > clock.t]
+        claims = [(c.hashes, c.blocks) for c in w.gate._claims.get(ep.url, ())]
+        kept = [(hs, blocks) for _, hs, blocks, until in w.gate._rooms.open_rooms() if until > clock.t]
         assert w.gate.in_flight_blocks(ep) == distinct_blocks(claims)
         assert w.gate.reserved_blocks(ep) == distinct_blocks(kept)
         hs = prompt()
-        key = Claim(ep, hs, 0).key
-        walked = max((admission._common_blocks(key, c.key) for c in claims), default=0)
-        assert w.gate._running(ep, key) == walked
+        walked = max((common_blocks(hs, c) for c, _ in claims), default=0)
+        assert w.gate._running(ep, hs) == walked
         for pinned in (claims, [*claims, *kept]):
-            need = distinct_blocks([*pinned, Claim(ep, hs, 20)])
+            need = distinct_blocks([*pinned, (hs, 20)])
             for pool in (need, need + 1):  # just too small (less the null block), and just enough
                 ep.kv_blocks = pool
                 fits = w.gate.fits(ep, 20, hs, kept=pinned is not claims)
@@ -163,8 +182,8 @@ def test_rooms_kept_and_never_taken_do_not_pile_up(monkeypatch: pytest.MonkeyPat
     for n in range(1000):
         w.gate.release(w.gate.claim(w.eps[0], w.decision(hashes(n % 5, 8), 0), 0), ended=True)
         clock.t += 0.1
-    assert sum(len(rs) for rs in w.gate._reserved.values()) <= 3
-    assert sum(len(rs) for rs in w.gate._reserved_for.values()) <= 3
+    listed, by_last = w.gate._rooms.listed()
+    assert listed <= 3 and by_last <= 3
 
 
 async def test_a_request_waits_for_room_and_takes_it_when_freed() -> None:
