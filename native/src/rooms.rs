@@ -99,7 +99,7 @@ struct Room {
 #[derive(Default)]
 struct Engine {
     running: Trie,
-    kept: Trie, // running and kept rooms
+    kept: Trie,                  // running and kept rooms
     rooms: VecDeque<(u64, f64)>, // (room id, until), in order of expiry; closed ones until they expire
 }
 
@@ -126,7 +126,11 @@ impl Rooms {
     fn freeze(&mut self, url: &str) {
         if let Some(frozen) = &mut self.frozen {
             if !frozen.contains_key(url) {
-                let running = self.engines.get(url).map(|e| e.running.clone()).unwrap_or_default();
+                let running = self
+                    .engines
+                    .get(url)
+                    .map(|e| e.running.clone())
+                    .unwrap_or_default();
                 frozen.insert(url.to_owned(), running);
             }
         }
@@ -175,7 +179,15 @@ impl Rooms {
         }
     }
 
-    fn fits_now(&mut self, url: &str, kv_blocks: i64, key: &[u64], blocks: i64, kept: bool, now: f64) -> bool {
+    fn fits_now(
+        &mut self,
+        url: &str,
+        kv_blocks: i64,
+        key: &[u64],
+        blocks: i64,
+        kept: bool,
+        now: f64,
+    ) -> bool {
         if kv_blocks <= 0 {
             return true;
         }
@@ -240,6 +252,7 @@ impl Rooms {
     /// then (its blocks stay counted among the kept, and :meth:`take` finds it as ``endpoint``);
     /// rooms there that ended by ``now`` close first.
     #[pyo3(signature = (url, hashes, blocks, endpoint=None, until=None, now=0.0))]
+    #[allow(clippy::too_many_arguments)] // Python's keyword arguments, one call per ended request
     fn unpin(
         &mut self,
         py: Python<'_>,
@@ -260,13 +273,25 @@ impl Rooms {
                 e.kept.remove(h, blocks);
                 return Ok(());
             };
+            // Rooms close as they expire wherever they are counted; where every request is a follow-up
+            // taking its own room (an agent's loop) nothing else counts them, and only this keeps the
+            // list from growing.
             self.expire_at(url, now);
             let id = self.next_room;
             self.next_room += 1;
             // Every room is kept equally long from now, so the newest ends last: appending keeps order.
             self.engine(url).rooms.push_back((id, until));
-            self.by_last.entry(*h.last().unwrap_or(&0)).or_default().push_back(id);
-            let room = Room { url: url.to_owned(), endpoint: endpoint.clone_ref(py), key: h.into(), blocks, until };
+            self.by_last
+                .entry(*h.last().unwrap_or(&0))
+                .or_default()
+                .push_back(id);
+            let room = Room {
+                url: url.to_owned(),
+                endpoint: endpoint.clone_ref(py),
+                key: h.into(),
+                blocks,
+                until,
+            };
             self.open.insert(id, room);
             Ok(())
         })?
@@ -303,7 +328,9 @@ impl Rooms {
         kept: bool,
         now: f64,
     ) -> PyResult<bool> {
-        with_hashes(hashes, |h| self.fits_now(url, kv_blocks, h, blocks, kept, now))
+        with_hashes(hashes, |h| {
+            self.fits_now(url, kv_blocks, h, blocks, kept, now)
+        })
     }
 
     /// The distinct blocks our requests running on ``url`` pin now.
@@ -332,7 +359,13 @@ impl Rooms {
     /// stay until it can start there: those it shares with our requests running there, and as many
     /// more as the room they leave (router/admission.py, `Gate.surviving`, says why). All of them while
     /// nothing of ours runs there (as the pass began, in a pass).
-    fn surviving(&self, url: &str, kv_blocks: i64, hashes: &Bound<'_, PyAny>, blocks: i64) -> PyResult<i64> {
+    fn surviving(
+        &self,
+        url: &str,
+        kv_blocks: i64,
+        hashes: &Bound<'_, PyAny>,
+        blocks: i64,
+    ) -> PyResult<i64> {
         let Some(running) = self.running_at(url).filter(|t| !t.keys.is_empty()) else {
             return Ok(blocks);
         };
