@@ -229,8 +229,9 @@ impl Rooms {
         with_hashes(hashes, |h| self.pin_key(url, h, blocks))
     }
 
-    /// :meth:`pin` where ``blocks`` more fit on ``url`` (a pool of ``kv_blocks``, 0 when unknown),
-    /// the rooms kept there counted as taken; whether they did.
+    /// :meth:`pin` where ``blocks`` more fit on ``url`` (a pool of ``kv_blocks``, 0 when unknown;
+    /// ``kept``: the rooms kept there counted as taken); whether they did.
+    #[pyo3(signature = (url, kv_blocks, hashes, blocks, now, *, kept=true))]
     fn pin_if_fits(
         &mut self,
         url: &str,
@@ -238,9 +239,10 @@ impl Rooms {
         hashes: &Bound<'_, PyAny>,
         blocks: i64,
         now: f64,
+        kept: bool,
     ) -> PyResult<bool> {
         with_hashes(hashes, |h| {
-            let fits = self.fits_now(url, kv_blocks, h, blocks, true, now);
+            let fits = self.fits_now(url, kv_blocks, h, blocks, kept, now);
             if fits {
                 self.pin_key(url, h, blocks);
             }

@@ -302,9 +302,11 @@ class Gate:
             kept_at = self._take_reservation(follow_up, now)
             if kept_at is None:
                 unkept = follow_up  # it reports, once it goes, whether its blocks outlived no kept room
-            if kept_at is home and self.fits(home, blocks, decision.hashes, kept=False):
+            if kept_at is home and self._rooms.pin_if_fits(
+                home.url, home.kv_blocks, decision.hashes, blocks, now, kept=False
+            ):
                 log.debug("reserved prefix=%016x blocks=%d -> %s", decision.hashes[0], blocks, home.url)
-                return Grant(home, Admitted.RESERVED, 0.0, self.claim(home, decision, out), out)
+                return Grant(home, Admitted.RESERVED, 0.0, self._claimed(home, decision, out, blocks), out)
             if kept_at is not None and self._held_at:
                 self.pump()  # routed elsewhere: the room kept for it is free
         if not self._waiting_for(home) and self._rooms.pin_if_fits(
