@@ -88,6 +88,14 @@ def _dir_bytes(root: Path) -> int:
     return total
 
 
+def _janitor_log(stack: Stack, pod: str) -> str:
+    """The end of a pod's janitor log: the lines it writes when a pass finds the tier over budget."""
+    path = stack.state_dir / "launcher" / "logs" / f"{stack.namespace}_{pod}_{JANITOR_CONTAINER}.log"
+    with contextlib.suppress(FileNotFoundError):
+        return "\n".join(path.read_text().splitlines()[-20:])
+    return f"(no log at {path})"
+
+
 class DirSampler(threading.Thread):
     """The largest size each directory reached, sampled every `period` seconds until stopped."""
 
@@ -179,7 +187,12 @@ def test_three_tiers_hit_status_agrees_and_nvme_stays_in_budget(tiered_stack: St
         evicted = _metric(text, "kvstrata_fs_tier_evicted_bytes_total")
         evicted_files += _metric(text, "kvstrata_fs_tier_evicted_files_total")
         print(f"{pod}: janitor used {used:.0f} evicted {evicted:.0f}")
-        assert sampler.max[pod] <= budgets[pod], (pod, sampler.max[pod], budgets[pod])
+        assert sampler.max[pod] <= budgets[pod], (
+            pod,
+            sampler.max[pod],
+            budgets[pod],
+            _janitor_log(stack, pod),
+        )
         assert used + evicted > budgets[pod], f"{pod}: the workload never ran past the budget"
 
     # The router's index learned the tiers from the engines' real events: BlockStored on GPU, CPU, STORAGE.

@@ -38,6 +38,7 @@ import itertools
 import json
 import math
 import os
+import sys
 import threading
 import time
 import uuid
@@ -116,8 +117,11 @@ def choose_victims(
 # against the write rate (tests: 24 MiB at 100+ MB/s); at 50 ms a faster machine could write a whole such
 # budget between two passes. A pass over a few hundred files takes ~1 ms.
 MIN_INTERVAL_S = 0.01
-# Between two passes the tier may grow by at most this share of the budget at the fastest rate seen.
-PASS_GROWTH_SHARE = 0.1
+# Between two passes the tier may grow by at most this share of the budget at the fastest rate seen. The
+# high mark leaves three such periods of room under the budget: at a tenth (one and a half periods) a
+# clean-clone CI run saw one engine's directory 4.6% over its 60 MB budget, once in 85 samples, from a
+# pass later or a burst faster than any seen before it.
+PASS_GROWTH_SHARE = 0.05
 
 
 def pacing(
@@ -134,7 +138,7 @@ def pacing(
     a CPU engine writes its fs tier at ~100 MB/s (measured), which at 1 s overran a 60 MB budget in the
     e2e test, and a reserve for a whole second's writes left nothing cached. So passes come sooner as the
     fastest growth rate seen (bytes/s) rises: one period (the sleep plus a pass's own ``work_s``) grows
-    the tier by at most a tenth of the budget, and half as much again is kept free. A pass can also wake
+    the tier by at most `PASS_GROWTH_SHARE` of the budget, and half as much again is kept free. A pass can also wake
     later than it asked, on a machine whose cores the engine keeps busy: ``late_s``, the lateness seen
     lately, is kept free on top: half a period's growth covers only a pass late by half a period.
 
@@ -165,14 +169,15 @@ def recent_rate(previous: float, observed: float, elapsed_s: float) -> float:
     return max(observed, previous * math.exp(-elapsed_s / RATE_MEMORY_S))
 
 
-# How lateness is remembered: the largest seen, shrinking by this factor a pass (about a minute at 1 s
-# passes), so one stall keeps room for the next for a while and a machine that calms down gets it back.
-LATE_DECAY = 0.98
+# How long lateness is remembered: the largest seen, fading with this time constant, so one stall keeps
+# room for the next for a while and a machine that calms down gets it back. In wall-clock time, not
+# passes: a fixed share a pass forgot a stall within ~3 s once the passes came every 30-60 ms.
+LATE_MEMORY_S = 60.0
 
 
 def lateness(seen_s: float, planned_s: float, slept_s: float) -> float:
     """The remembered lateness after a sleep of ``planned_s`` that took ``slept_s``. Pure."""
-    return max(slept_s - planned_s, seen_s * LATE_DECAY, 0.0)
+    return max(slept_s - planned_s, seen_s * math.exp(-slept_s / LATE_MEMORY_S), 0.0)
 
 
 def scan(root: Path) -> Iterator[KvFile]:
@@ -306,6 +311,7 @@ def run(
     rate = 0.0
     work_s = 0.0
     late_s = 0.0
+    planned_s = interval_s
     last_pass = time.monotonic()
     while True:
         started = time.monotonic()
@@ -321,6 +327,14 @@ def run(
         last_pass = now
         sleep_s, reserve = pacing(budget_bytes, max_rate, interval_s, work_s, late_s, rate)
         decision = choose_victims(files, budget_bytes, reserve_bytes=reserve)
+        if decision.used_bytes > budget_bytes:
+            # Always logged: the bound failed, and only these figures tell a late pass from a burst.
+            print(
+                f"{time.time():.3f} over budget: used {decision.used_bytes} > {budget_bytes}; grew {growth} in"
+                f" {elapsed:.3f}s (planned {planned_s:.3f}s, late {late_s:.3f}s); max rate {max_rate:.0f} B/s",
+                file=sys.stderr,
+                flush=True,
+            )
         removed = evict(decision.victims)
         work_s = time.monotonic() - now + scan_s
         log.add(h for h in map(block_hash, (f.path for f in decision.victims)) if h is not None)
@@ -337,6 +351,7 @@ def run(
         asleep = time.monotonic()
         time.sleep(sleep_s)
         late_s = lateness(late_s, sleep_s, time.monotonic() - asleep)
+        planned_s = sleep_s + work_s
 
 
 def main(argv: list[str] | None = None) -> None:  # pragma: no cover
