@@ -216,6 +216,17 @@ class AdmissionSettings(_Wire):
         "holds more of its prompt than that one (stolen); off: it waits for its own engine unless that "
         "engine is out of rotation or silent",
     )
+    # Off until measured (fifty-first session, docs/benchmarks.md). A steal counts only the moved request's
+    # own hit: in family draw 923 two steals from a pool thrashed by two conversations each landed on the
+    # engine serving one conversation alone, evicted it, and its next turns went cold (held requests: 24 %
+    # of prompt tokens predicted cached, 12 % served; 39 % hit against the peers' 53 %).
+    steal_only_to_spare_room: bool = Field(
+        False,
+        description="Steal a held request (stealWhenHomeHoldsNoMore) only to an engine whose pool has room "
+        "for the blocks it lacks there beside every block routed there in the last fitWindowSeconds, so "
+        "the steal evicts nothing lately asked for; a held request whose engine is out of rotation or "
+        "silent moves regardless",
+    )
     assumed_output_tokens: int = Field(
         256,
         ge=0,

@@ -13,7 +13,8 @@ something evicts it), oldest first among equals; of many held, only the oldest f
 weighed (``_WEIGHED``), so what holding costs the router stays bounded under a burst. A held request
 whose prefix no engine holds better goes to whichever engine frees room first (*stolen*), since moving
 it loses none of its own hit (``stealWhenHomeHoldsNoMore``; off, it waits for its own engine while that
-one is in rotation). With ``moveWhenHeldPastPrefill`` (off by default) a held request whose prefix its
+one is in rotation; with ``stealOnlyToSpareRoom`` only to an engine with room for it beside everything
+routed there lately). With ``moveWhenHeldPastPrefill`` (off by default) a held request whose prefix its
 home holds better also *moves* to an engine with room once it has waited as long as moving would cost
 there, at that engine's recent pace: its extra prefill, and the prefill of the cached blocks that
 evicts (rent or buy: built for family draw 15, where 12 of 32 requests were held 3.4 s in all for their
@@ -513,7 +514,12 @@ class Gate:
         if w.home not in usable or self.deps.silent(w.home):
             return Admitted.STOLEN
         here, home = self._cost_of(w, ep), self._cost_of(w, w.home)
-        if self.settings.steal_when_home_holds_no_more and here <= home + self.deps.block_size:
+        s = self.settings
+        if (
+            s.steal_when_home_holds_no_more
+            and here <= home + self.deps.block_size
+            and (not s.steal_only_to_spare_room or self.deps.spare_room(ep, self._added_blocks(w, ep), now))
+        ):
             return Admitted.STOLEN
         return Admitted.MOVED if now >= self._move_at(w, ep, here - home, now) else None
 

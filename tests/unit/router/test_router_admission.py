@@ -387,11 +387,39 @@ async def test_without_stealing_a_cold_request_waits_for_its_own_engine() -> Non
     assert grant.how is Admitted.QUEUED and grant.endpoint is w.eps[0]
 
 
+@pytest.mark.parametrize("spare", [False, True])
+async def test_steals_only_to_spare_room_wait_where_the_thief_would_evict_what_was_asked_for_lately(
+    spare: bool,
+) -> None:
+    """stealOnlyToSpareRoom: a steal's premise counts the moved request's own hit only; its prefill also
+    evicts what the thief's own conversations come back for (family draw 923). The thief needs room for
+    the blocks it lacks beside its recent demand; without it the request waits for its own engine."""
+    w = World(10, 10, settings=AdmissionSettings(steal_only_to_spare_room=True))
+    if spare:
+        w.spare.add("http://e1")
+    busy = await w.gate.admit(w.decision(hashes(1, 8), 0), 0)
+    other = await w.gate.admit(w.decision(hashes(9, 8), 1), 0)
+    cold = asyncio.ensure_future(w.gate.admit(w.decision(hashes(2, 8), 0), 0))
+    await asyncio.sleep(0.01)
+    w.gate.release(other.claim)  # e1 has room, and would cost the cold one no more than e0
+    await asyncio.sleep(0.01)
+    assert ("http://e1", 8) in w.spare_asked  # asked about the 8 blocks e1 lacks
+    if spare:
+        grant = await asyncio.wait_for(cold, 1)
+        assert grant.how is Admitted.STOLEN and grant.endpoint is w.eps[1]
+        w.gate.release(busy.claim)
+        return
+    assert not cold.done() and w.moved == []
+    w.gate.release(busy.claim)
+    grant = await asyncio.wait_for(cold, 1)
+    assert grant.how is Admitted.QUEUED and grant.endpoint is w.eps[0]
+
+
 @pytest.mark.parametrize("steal", [True, False])
 @pytest.mark.parametrize("fault", ["silent", "ejected or gone"])
 async def test_a_request_waiting_on_a_silent_or_lost_engine_goes_elsewhere(fault: str, steal: bool) -> None:
     w = World(10, 10)
-    w.gate.settings = AdmissionSettings(steal_when_home_holds_no_more=steal)
+    w.gate.settings = AdmissionSettings(steal_when_home_holds_no_more=steal, steal_only_to_spare_room=True)
     await w.gate.admit(w.decision(hashes(1, 8), 0), 0)  # never released: the engine is wedged
     w.held["http://e0"].update(hashes(3, 8))
     warm = asyncio.ensure_future(w.gate.admit(w.decision(hashes(3, 8), 0), 0))
