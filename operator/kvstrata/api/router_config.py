@@ -216,10 +216,11 @@ class AdmissionSettings(_Wire):
         "holds more of its prompt than that one (stolen); off: it waits for its own engine unless that "
         "engine is out of rotation or silent",
     )
-    # Off until measured (fifty-first session, docs/benchmarks.md). A steal counts only the moved request's
-    # own hit: in family draw 923 two steals from a pool thrashed by two conversations each landed on the
-    # engine serving one conversation alone, evicted it, and its next turns went cold (held requests: 24 %
-    # of prompt tokens predicted cached, 12 % served; 39 % hit against the peers' 53 %).
+    # Off: it failed its rule on 14 held-out pressure draws (fifty-first session, docs/benchmarks.md):
+    # on - off hit -0.2 +- 0.7 points, TTFT mean 0.98x, p99 1.04x; it cut steals from 18 to 1 and the four
+    # draws where the default stole swung both ways (937 +5.8, 939 -7.0). Built for family draw 923, where
+    # two steals from a pool thrashed by two conversations landed on the engine serving one alone and
+    # evicted it.
     steal_only_to_spare_room: bool = Field(
         False,
         description="Steal a held request (stealWhenHomeHoldsNoMore) only to an engine whose pool has room "
