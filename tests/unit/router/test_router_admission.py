@@ -372,19 +372,28 @@ async def test_with_surviving_costs_a_warm_request_whose_home_cannot_keep_its_pr
     w.gate.release(busy.claim)
 
 
-async def test_without_stealing_a_cold_request_waits_for_its_own_engine() -> None:
-    w = World(10, 10)
-    w.gate.settings = AdmissionSettings(steal_when_home_holds_no_more=False)
+async def _cold_held_while_another_engine_frees(w: World) -> tuple[Grant, asyncio.Future[Grant]]:
+    """e0 busy, a cold request held for it, then e1 frees room: e1 would cost it no more than e0."""
     busy = await w.gate.admit(w.decision(hashes(1, 8), 0), 0)
     other = await w.gate.admit(w.decision(hashes(9, 8), 1), 0)
     cold = asyncio.ensure_future(w.gate.admit(w.decision(hashes(2, 8), 0), 0))
     await asyncio.sleep(0.01)
-    w.gate.release(other.claim)  # e1 has room, and would cost the cold one no more than e0
+    w.gate.release(other.claim)
     await asyncio.sleep(0.01)
+    return busy, cold
+
+
+async def _waits_for_its_own_engine(w: World, busy: Grant, cold: asyncio.Future[Grant]) -> None:
     assert not cold.done() and w.moved == []
     w.gate.release(busy.claim)
     grant = await asyncio.wait_for(cold, 1)
     assert grant.how is Admitted.QUEUED and grant.endpoint is w.eps[0]
+
+
+async def test_without_stealing_a_cold_request_waits_for_its_own_engine() -> None:
+    w = World(10, 10)
+    w.gate.settings = AdmissionSettings(steal_when_home_holds_no_more=False)
+    await _waits_for_its_own_engine(w, *await _cold_held_while_another_engine_frees(w))
 
 
 @pytest.mark.parametrize("spare", [False, True])
@@ -397,22 +406,14 @@ async def test_steals_only_to_spare_room_wait_where_the_thief_would_evict_what_w
     w = World(10, 10, settings=AdmissionSettings(steal_only_to_spare_room=True))
     if spare:
         w.spare.add("http://e1")
-    busy = await w.gate.admit(w.decision(hashes(1, 8), 0), 0)
-    other = await w.gate.admit(w.decision(hashes(9, 8), 1), 0)
-    cold = asyncio.ensure_future(w.gate.admit(w.decision(hashes(2, 8), 0), 0))
-    await asyncio.sleep(0.01)
-    w.gate.release(other.claim)  # e1 has room, and would cost the cold one no more than e0
-    await asyncio.sleep(0.01)
+    busy, cold = await _cold_held_while_another_engine_frees(w)
     assert ("http://e1", 8) in w.spare_asked  # asked about the 8 blocks e1 lacks
-    if spare:
-        grant = await asyncio.wait_for(cold, 1)
-        assert grant.how is Admitted.STOLEN and grant.endpoint is w.eps[1]
-        w.gate.release(busy.claim)
+    if not spare:
+        await _waits_for_its_own_engine(w, busy, cold)
         return
-    assert not cold.done() and w.moved == []
-    w.gate.release(busy.claim)
     grant = await asyncio.wait_for(cold, 1)
-    assert grant.how is Admitted.QUEUED and grant.endpoint is w.eps[0]
+    assert grant.how is Admitted.STOLEN and grant.endpoint is w.eps[1]
+    w.gate.release(busy.claim)
 
 
 @pytest.mark.parametrize("steal", [True, False])
