@@ -416,11 +416,16 @@ async def test_steals_only_to_spare_room_wait_where_the_thief_would_evict_what_w
     w.gate.release(busy.claim)
 
 
+@pytest.mark.parametrize("spare_only", [False, True])
 @pytest.mark.parametrize("steal", [True, False])
 @pytest.mark.parametrize("fault", ["silent", "ejected or gone"])
-async def test_a_request_waiting_on_a_silent_or_lost_engine_goes_elsewhere(fault: str, steal: bool) -> None:
+async def test_a_request_waiting_on_a_silent_or_lost_engine_goes_elsewhere(
+    fault: str, steal: bool, spare_only: bool
+) -> None:
     w = World(10, 10)
-    w.gate.settings = AdmissionSettings(steal_when_home_holds_no_more=steal, steal_only_to_spare_room=True)
+    w.gate.settings = AdmissionSettings(
+        steal_when_home_holds_no_more=steal, steal_only_to_spare_room=spare_only
+    )
     await w.gate.admit(w.decision(hashes(1, 8), 0), 0)  # never released: the engine is wedged
     w.held["http://e0"].update(hashes(3, 8))
     warm = asyncio.ensure_future(w.gate.admit(w.decision(hashes(3, 8), 0), 0))
