@@ -336,6 +336,17 @@ class RouterSettings(_Wire):
         "the share of conversations continued rather than ended): a new conversation goes where it still fits "
         "once the others have grown (docs/router.md)",
     )
+    # Off until measured (fifty-second session, docs/benchmarks.md). Built from the kept family runs: in
+    # bursty pressure draws kvstrata lost 6.6 points to the best peer where it moved 5 % or more of its
+    # follow-ups off their conversation's engine (11 draws) and 0.3 where it moved fewer (23); the peers'
+    # text trees never move one.
+    sticky_conversations: bool = Field(
+        False,
+        description="Off unless set. A prompt that continues a conversation routed in the last "
+        "fitWindowSeconds goes to the engine its last turn went to while that engine is in rotation and "
+        "under the load bound, and the admission gate never moves it elsewhere: no scorer, steal or move "
+        "splits a conversation over engines (docs/router.md)",
+    )
     fit_window_seconds: float = Field(
         30.0,
         gt=0,

@@ -513,6 +513,8 @@ class Gate:
         (:meth:`_move_at`)."""
         if w.home not in usable or self.deps.silent(w.home):
             return Admitted.STOLEN
+        if w.decision.sticky:
+            return None  # a follow-up waits for its conversation's engine (stickyConversations)
         here, home = self._cost_of(w, ep), self._cost_of(w, w.home)
         s = self.settings
         if (
@@ -579,7 +581,9 @@ class Gate:
             w.matches = self.deps.lookup(w.decision.hashes)
             w.keys = {}
             w.move_at = math.inf
-            if self.settings.move_when_held_past_prefill or self.settings.move_to_spare_room:
+            if (self.settings.move_when_held_past_prefill or self.settings.move_to_spare_room) and not (
+                w.decision.sticky
+            ):
                 home, now = self._cost_of(w, w.home), time.monotonic()
                 w.move_at = min(
                     (

@@ -193,3 +193,36 @@ class ConversationBoundFilter:
     def explain(self, dropped: Sequence[Endpoint], matches: dict[str, PrefixMatch]) -> Reason | None:
         """The bound decided when it dropped an endpoint that holds part of the prompt."""
         return Reason.CONVERSATION_BOUND if any(matches.get(ep.url) for ep in dropped) else None
+
+
+@dataclass(slots=True)
+class StickyConversationFilter:
+    """A follow-up goes to the engine its conversation's last turn went to, while that engine is among
+    those the bounds before this one kept (in rotation, under the load bound).
+
+    Prefix affinity alone keeps a conversation where its blocks are, but under memory pressure its
+    blocks are often evicted between turns, and then the scorers (queue, history, load) or the
+    admission gate's steals move it to whichever engine looks cheapest at that moment. Each move is a
+    prefill of its whole history elsewhere, which evicts another conversation there, and so on (the
+    kept family runs: in bursty pressure draws kvstrata trailed the best peer by 6.6 points where it
+    moved 5 % or more of its follow-ups and by 0.3 where it moved fewer). A text-tree router never moves
+    one: the tree remembers where the conversation went. Filters nothing without a ``tracker``
+    (``stickyConversations`` off), for approximate (character-block) requests, or for a prompt that
+    opens a conversation: the scorers place those."""
+
+    tracker: ConversationTracker | None
+    name: str = "sticky_conversations"
+
+    def home(self, req: RouteRequest) -> str | None:
+        """The engine URL of the live conversation ``req`` continues, or None."""
+        t = self.tracker
+        if t is None or req.approximate or not req.hashes:
+            return None
+        t.expire(req.now)
+        tip = t.continued_tip(req.hashes)
+        return None if tip is None else t.tips[tip][0]
+
+    def filter(self, req: RouteRequest, eps: Sequence[Endpoint]) -> list[Endpoint]:
+        url = self.home(req)
+        kept = [ep for ep in eps if ep.url == url] if url is not None else []
+        return kept or list(eps)

@@ -23,7 +23,11 @@ import aiohttp
 
 from kvstrata.api.router_config import RouterSettings
 from kvstrata.router.admission import Gate, GateDeps
-from kvstrata.router.conversations import ConversationBoundFilter, ConversationTracker
+from kvstrata.router.conversations import (
+    ConversationBoundFilter,
+    ConversationTracker,
+    StickyConversationFilter,
+)
 from kvstrata.router.decision import Decision
 from kvstrata.router.hashing import block_hashes, char_block_hashes, check_algo
 from kvstrata.router.incremental import Encoded, PromptEncoder, WalkView
@@ -105,6 +109,7 @@ class _Ranking:
     over_load: list[Endpoint]  # dropped by the in-flight bound
     over_share: list[Endpoint]  # dropped by the share bound
     over_conversations: list[Endpoint]  # dropped by the conversation bound
+    sticky: bool = False  # a follow-up kept on its conversation's engine, the others dropped
 
 
 @dataclass(slots=True)
@@ -176,10 +181,11 @@ class Router:
         # Live conversations per engine: fed only for the features that read them.
         self.tracker = (
             ConversationTracker(settings.fit_window_seconds)
-            if settings.conversation_bound or settings.projected_fit
+            if settings.conversation_bound or settings.projected_fit or settings.sticky_conversations
             else None
         )
         self.conversations = ConversationBoundFilter(self.tracker if settings.conversation_bound else None)
+        self.sticky = StickyConversationFilter(self.tracker if settings.sticky_conversations else None)
         self.policy = POLICIES[settings.policy](self)
         adm = settings.admission
         self.gate = Gate(
@@ -625,7 +631,9 @@ class Router:
                     for r in ranked
                 ),
             )
-        decision = Decision(order, reason, hashes, approximate, matches, n_tokens, ranked, request=rreq)
+        decision = Decision(
+            order, reason, hashes, approximate, matches, n_tokens, ranked, request=rreq, sticky=ranking.sticky
+        )
         if got.rest is not None:
             got.rest.add_done_callback(lambda task: self._hashed_later(decision, req.text, task))
         return decision
@@ -678,7 +686,8 @@ class Router:
         those they drop."""
         under_load = self.bounded.filter(rreq, eps)
         under_share = self.share.filter(rreq, under_load)
-        kept = self.conversations.filter(rreq, under_share)
+        under_conversations = self.conversations.filter(rreq, under_share)
+        kept = self.sticky.filter(rreq, under_conversations)
         if len(kept) == len(eps):  # each bound keeps a subset of what it is given: here, all of it
             return _Ranking(self.pick(rreq, kept), [], [], [], [])
         return _Ranking(
@@ -686,7 +695,8 @@ class Router:
             sorted((ep for ep in eps if ep not in kept), key=lambda ep: ep.load),
             [ep for ep in eps if ep not in under_load],
             [ep for ep in under_load if ep not in under_share],
-            [ep for ep in under_share if ep not in kept],
+            [ep for ep in under_share if ep not in under_conversations],
+            len(kept) < len(under_conversations),
         )
 
     def retry_order(self, decision: Decision, left: list[Endpoint]) -> list[Endpoint]:
@@ -721,6 +731,8 @@ class Router:
         won = matches.get(win.endpoint.url)
         if best and won is not None and won.blocks == best:
             return Reason.APPROX_PREFIX if approximate else Reason.PREFIX
+        if ranking.sticky:
+            return Reason.CONVERSATION
         outcome = Outcome(win, ranked[1] if len(ranked) > 1 else None, best)
         by_name = {s.name: (s, w) for s, w in self.scorers}
 

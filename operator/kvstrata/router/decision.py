@@ -29,6 +29,9 @@ class Decision:
     committed: Endpoint | None = None
     # What the scorers ranked (kv-aware decisions): a retry ranks the endpoints left again on it.
     request: RouteRequest | None = None
+    # A follow-up kept on its conversation's engine (stickyConversations): the admission gate never moves it
+    # while that engine is in rotation and heard from.
+    sticky: bool = False
 
     def predicted_cached_tokens(self, ep: Endpoint, block_size: int) -> int:
         if self.approximate:

@@ -14,6 +14,7 @@ class Reason(StrEnum):
     SHARE_BOUND = "share-bound"  # the holder, short of room, had more than its share of recent requests
     # a new conversation left an engine serving more than its fair share of live conversations
     CONVERSATION_BOUND = "conversation-bound"
+    CONVERSATION = "conversation"  # a follow-up stayed on its conversation's engine (stickyConversations)
     QUEUE = "queue"  # the prefill queued at the holder outweighed its match
     RECENT = "recent"  # fewer live conversations decided it
     CACHE_ROOM = "cache-room"  # a new prefix went where the cache has most room

@@ -396,6 +396,34 @@ async def test_without_stealing_a_cold_request_waits_for_its_own_engine() -> Non
     await _waits_for_its_own_engine(w, *await _cold_held_while_another_engine_frees(w))
 
 
+async def test_a_sticky_follow_up_waits_for_its_conversations_engine_where_a_cold_one_is_stolen() -> None:
+    """stickyConversations: the router kept a follow-up on its conversation's engine (Decision.sticky);
+    the gate does not steal it either, however little its home holds of it now."""
+    w = World(10, 10)
+    busy = await w.gate.admit(w.decision(hashes(1, 8), 0), 0)
+    other = await w.gate.admit(w.decision(hashes(9, 8), 1), 0)
+    d = w.decision(hashes(2, 8), 0)
+    d.sticky = True
+    held = asyncio.ensure_future(w.gate.admit(d, 0))
+    await asyncio.sleep(0.01)
+    w.gate.release(other.claim)
+    await asyncio.sleep(0.01)
+    await _waits_for_its_own_engine(w, busy, held)
+
+
+async def test_a_sticky_follow_up_still_leaves_a_silent_engine() -> None:
+    w = World(10, 10)
+    await w.gate.admit(w.decision(hashes(1, 8), 0), 0)  # never released: the engine is wedged
+    d = w.decision(hashes(3, 8), 0)
+    d.sticky = True
+    held = asyncio.ensure_future(w.gate.admit(d, 0))
+    await asyncio.sleep(0.01)
+    assert not held.done()
+    w.silent.add("http://e0")
+    grant = await asyncio.wait_for(held, 2)  # the periodic re-check sees it
+    assert grant.how is Admitted.STOLEN and grant.endpoint is w.eps[1]
+
+
 @pytest.mark.parametrize("spare", [False, True])
 async def test_steals_only_to_spare_room_wait_where_the_thief_would_evict_what_was_asked_for_lately(
     spare: bool,

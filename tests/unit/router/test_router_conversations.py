@@ -7,7 +7,11 @@ from collections import Counter
 import pytest
 from test_router_scoring import _req, _router
 
-from kvstrata.router.conversations import ConversationBoundFilter, ConversationTracker
+from kvstrata.router.conversations import (
+    ConversationBoundFilter,
+    ConversationTracker,
+    StickyConversationFilter,
+)
 from kvstrata.router.index import PrefixMatch
 from kvstrata.router.pool import Endpoint, EndpointSpec
 from kvstrata.router.reasons import Reason
@@ -201,3 +205,46 @@ async def test_projected_fit_keeps_a_tenants_next_user_off_an_engine_its_convers
     home, went, fit = await second_user(projectedFit=True)
     # Not on its home; which of the two others is the tie-break's (rendezvous hash) call.
     assert went != home and fit[home] == 0.0 and fit[went] == 1.0
+
+
+def test_the_sticky_filter_keeps_a_follow_up_on_its_conversations_engine_only() -> None:
+    t = ConversationTracker(window_s=10.0)
+    f = StickyConversationFilter(t)
+    eps = _eps()
+    t.routed("b", 0.0, [1, 2, 3])
+    follow_up = RouteRequest(hashes=[1, 2, 3, 4], now=1.0)
+    assert [e.url for e in f.filter(follow_up, eps)] == ["b"]
+    # A new conversation over the same system prompt, an approximate request, and a follow-up whose
+    # engine the bounds before dropped (over the load bound, out of rotation): every engine is kept.
+    assert len(f.filter(RouteRequest(hashes=[1, 2, 9], now=1.0), eps)) == 3
+    assert len(f.filter(RouteRequest(hashes=[1, 2, 3, 4], approximate=True, now=1.0), eps)) == 3
+    assert [e.url for e in f.filter(follow_up, [eps[0], eps[2]])] == ["a", "c"]
+    # Off (no tracker), and a conversation quiet for a window: nothing is kept to an engine.
+    assert len(StickyConversationFilter(None).filter(follow_up, eps)) == 3
+    assert len(f.filter(RouteRequest(hashes=[1, 2, 3, 4], now=11.0), eps)) == 3
+
+
+@pytest.mark.parametrize("sticky", [False, True])
+async def test_a_follow_up_whose_blocks_were_evicted_goes_home_only_when_sticky(sticky: bool) -> None:
+    """A conversation's blocks evicted at its engine while another engine holds its system prompt (a
+    second user of the tenant went there): the prefix scorer moves the follow-up, unless it is sticky."""
+    from kvstrata.router.events import BlockRemoved, BlockStored
+
+    r = _router("kv-aware", stickyConversations=sticky)
+    system = list(range(8))  # two blocks of 4
+    first = [*system, 100, 101, 102, 103]
+    d = await r.decide(_req(first))
+    home = d.order[0]
+    r.commit(d, home)
+    r.settle(d, home)
+    r.index.apply(home.url, BlockStored(tuple(d.hashes), None, (), 4, "GPU"))
+    r.index.apply(home.url, BlockRemoved(tuple(d.hashes), "GPU"))  # memory pressure evicted it all
+    other = next(ep for ep in r.pool.all() if ep is not home)
+    r.index.apply(other.url, BlockStored(tuple(d.hashes[:2]), None, (), 4, "GPU"))  # the system prompt
+    again = await r.decide(_req([*first, 7, 7, 7, 7]))
+    if sticky:
+        assert again.order[0] is home and again.reason == "conversation" and again.sticky
+        assert set(again.order[1:]) == set(r.pool.all()) - {home}  # the others stay retry targets
+    else:
+        assert again.order[0] is other and again.reason == "prefix" and not again.sticky
+    r.close()
