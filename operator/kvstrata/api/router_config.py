@@ -336,10 +336,10 @@ class RouterSettings(_Wire):
         "the share of conversations continued rather than ended): a new conversation goes where it still fits "
         "once the others have grown (docs/router.md)",
     )
-    # Off until measured (fifty-second session, docs/benchmarks.md). Built from the kept family runs: in
-    # bursty pressure draws kvstrata lost 6.6 points to the best peer where it moved 5 % or more of its
-    # follow-ups off their conversation's engine (11 draws) and 0.3 where it moved fewer (23); the peers'
-    # text trees never move one.
+    # Off: it failed its rule on 14 held-out pressure draws (fifty-second session, docs/benchmarks.md):
+    # on - off hit -0.6 +- 1.0 points, TTFT mean 1.04x, p99 1.15x. Built from the kept family runs (bursty
+    # pressure losses went with moved follow-ups: -6.6 points where 5 % or more moved, -0.3 elsewhere); on
+    # fresh draws it lost where it kept a follow-up home while another engine held more of it (955, 967).
     sticky_conversations: bool = Field(
         False,
         description="Off unless set. A prompt that continues a conversation routed in the last "
