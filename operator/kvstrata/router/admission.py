@@ -581,9 +581,8 @@ class Gate:
             w.matches = self.deps.lookup(w.decision.hashes)
             w.keys = {}
             w.move_at = math.inf
-            if (self.settings.move_when_held_past_prefill or self.settings.move_to_spare_room) and not (
-                w.decision.sticky
-            ):
+            moves = self.settings.move_when_held_past_prefill or self.settings.move_to_spare_room
+            if moves and not w.decision.sticky:
                 home, now = self._cost_of(w, w.home), time.monotonic()
                 w.move_at = min(
                     (

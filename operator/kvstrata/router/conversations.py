@@ -1,4 +1,5 @@
-"""Live conversations per engine, and the bound that places a new conversation by them.
+"""Live conversations per engine, the bound that places a new conversation by them, and the filter that
+keeps a follow-up on its conversation's engine.
 
 A conversation is a chain of prompts, each extending the one before: the router sees it as the last
 full block hash of each prompt it routed (the conversation's *tip*). A prompt whose blocks contain a

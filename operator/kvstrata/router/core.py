@@ -682,8 +682,8 @@ class Router:
         return frozenset(ep.url for ep in eps if fit.fits(ep, rreq.now, fit.added_blocks(rreq, ep)))
 
     def _rank(self, rreq: RouteRequest, eps: list[Endpoint]) -> _Ranking:
-        """The scorers' ranking of the endpoints the load, share and conversation bounds keep, and
-        those they drop."""
+        """The scorers' ranking of the endpoints the load, share and conversation bounds and the sticky
+        filter keep, and those they drop."""
         under_load = self.bounded.filter(rreq, eps)
         under_share = self.share.filter(rreq, under_load)
         under_conversations = self.conversations.filter(rreq, under_share)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from test_router_scoring import _req, _router
+from test_router_scoring import _req, _router, routed_then_evicted
 
 from kvstrata.router.conversations import (
     ConversationBoundFilter,
@@ -228,17 +228,12 @@ def test_the_sticky_filter_keeps_a_follow_up_on_its_conversations_engine_only() 
 async def test_a_follow_up_whose_blocks_were_evicted_goes_home_only_when_sticky(sticky: bool) -> None:
     """A conversation's blocks evicted at its engine while another engine holds its system prompt (a
     second user of the tenant went there): the prefix scorer moves the follow-up, unless it is sticky."""
-    from kvstrata.router.events import BlockRemoved, BlockStored
+    from kvstrata.router.events import BlockStored
 
     r = _router("kv-aware", stickyConversations=sticky)
     system = list(range(8))  # two blocks of 4
     first = [*system, 100, 101, 102, 103]
-    d = await r.decide(_req(first))
-    home = d.order[0]
-    r.commit(d, home)
-    r.settle(d, home)
-    r.index.apply(home.url, BlockStored(tuple(d.hashes), None, (), 4, "GPU"))
-    r.index.apply(home.url, BlockRemoved(tuple(d.hashes), "GPU"))  # memory pressure evicted it all
+    d, home = await routed_then_evicted(r, first)
     other = next(ep for ep in r.pool.all() if ep is not home)
     r.index.apply(other.url, BlockStored(tuple(d.hashes[:2]), None, (), 4, "GPU"))  # the system prompt
     again = await r.decide(_req([*first, 7, 7, 7, 7]))

@@ -10,6 +10,7 @@ import pytest
 
 from kvstrata.api.router_config import Policy, RouterSettings, TierWeights, Weights
 from kvstrata.router.core import Router
+from kvstrata.router.decision import Decision
 from kvstrata.router.index import BlockIndex, PrefixMatch
 from kvstrata.router.metrics import RouterMetrics
 from kvstrata.router.policies import POLICIES
@@ -580,18 +581,26 @@ async def test_an_evicted_prefix_goes_where_its_prefill_evicts_the_coldest_block
     assert home_again.order[0] is home and home_again.reason == "history"
 
 
-async def test_an_evicted_prefix_goes_back_to_the_engine_that_held_it() -> None:
+async def routed_then_evicted(r: Router, tokens: list[int]) -> tuple[Decision, Endpoint]:
+    """``tokens`` routed, cached at the engine chosen, then all evicted there by memory pressure."""
     from kvstrata.router.events import BlockRemoved, BlockStored
 
-    r = _router("kv-aware")
-    eps = r.pool.all()
-    tokens = list(range(12))
     d = await r.decide(_req(tokens))
     home = d.order[0]
     r.commit(d, home)
     r.settle(d, home)
     r.index.apply(home.url, BlockStored(tuple(d.hashes), None, (), 4, "GPU"))
-    r.index.apply(home.url, BlockRemoved(tuple(d.hashes), "GPU"))  # memory pressure evicted it all
+    r.index.apply(home.url, BlockRemoved(tuple(d.hashes), "GPU"))
+    return d, home
+
+
+async def test_an_evicted_prefix_goes_back_to_the_engine_that_held_it() -> None:
+    from kvstrata.router.events import BlockStored
+
+    r = _router("kv-aware")
+    eps = r.pool.all()
+    tokens = list(range(12))
+    _, home = await routed_then_evicted(r, tokens)
     # The home now holds the most blocks and had the most recent traffic: room and recency alone
     # would send the group elsewhere.
     r.index.apply(home.url, BlockStored((500, 501, 502), None, (), 4, "GPU"))
@@ -700,7 +709,6 @@ def test_a_commit_calls_the_hooks_of_exactly_the_scorers_that_have_them(
     """The router calls ``on_routed`` and ``on_hashed`` only where a scorer overrides the no-op: the
     built-in scorers with state, and a plugin's hook (here one that replaces the load scorer)."""
     from kvstrata.router import scoring
-    from kvstrata.router.decision import Decision
     from kvstrata.router.reasons import Reason
 
     seen: list[tuple[str, str]] = []
