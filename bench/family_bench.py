@@ -403,6 +403,7 @@ def pooled(draws: list[dict[str, Any]], routers: list[str]) -> dict[str, Any]:
         section["vs_best_peer_ttft_mean_ratio"] = paired(best_mean)
         section["vs_best_peer_ttft_p99_ratio"] = paired(best_p99)
         section["hit_ge_best_peer_draws"] = ge_best
+        section["every_draw_yardstick"] = _every_draw_yardstick(chosen)
         section["rerun_spread"] = {r: _rerun_spread(chosen, r) for r in routers if f"{r}@{RERUN}" in routers}
         section["hit_losses_beyond_rerun"] = _losses_beyond_rerun(chosen, routers)
         section["below_bound_points"] = {r: _below_bound(chosen, r) for r in routers}
@@ -411,6 +412,33 @@ def pooled(draws: list[dict[str, Any]], routers: list[str]) -> dict[str, Any]:
             for r in routers
         }
         out[name] = section
+    return out
+
+
+def _every_draw_yardstick(chosen: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Issue 14's per-draw goals held to every router alike: for kvstrata and each peer, the draws in
+    which its hit rate is at least the best of the others' and in which it is no worse than the best of
+    the others on every figure (hit rate, TTFT mean, p99), each figure's best taken separately. The best
+    of two noisy routers, figure by figure, is a bar that an equal router clears in about a third of the
+    draws per figure; this says how often each router clears it, kvstrata's peers included."""
+    out: dict[str, dict[str, int]] = {}
+    for d in chosen:
+        oks = [r for r in d["results"] if _ok(r) and (r["router"] == KVSTRATA or _is_peer(r["router"]))]
+        for me in oks:
+            others = [r for r in oks if r is not me]
+            if not others:
+                continue
+            hit = me["hit_rate"] >= max(r["hit_rate"] for r in others)
+            tally = out.setdefault(
+                me["router"], {"draws": 0, "hit_ge_best_other": 0, "no_worse_on_every_figure": 0}
+            )
+            tally["draws"] += 1
+            tally["hit_ge_best_other"] += hit
+            tally["no_worse_on_every_figure"] += (
+                hit
+                and me["ttft_ms_mean"] <= min(r["ttft_ms_mean"] for r in others)
+                and me["ttft_ms_p99"] <= min(r["ttft_ms_p99"] for r in others)
+            )
     return out
 
 
@@ -544,6 +572,16 @@ def render(payload: dict[str, Any]) -> str:
             lines.append(
                 "  hit below the capacity bound of its own run: "
                 + ", ".join(f"{r} {_pm(v)} points" for r, v in below.items())
+            )
+        yardstick = sec.get("every_draw_yardstick") or {}
+        if len(yardstick) > 1:
+            lines.append(
+                "  each router against the best of the others, draw by draw: "
+                + "; ".join(
+                    f"{r} hit ≥ in {v['hit_ge_best_other']} of {v['draws']}, no worse on every figure in "
+                    f"{v['no_worse_on_every_figure']}"
+                    for r, v in yardstick.items()
+                )
             )
         beyond = sec.get("hit_losses_beyond_rerun")
         if beyond is not None:

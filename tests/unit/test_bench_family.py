@@ -174,6 +174,40 @@ def test_the_best_peer_is_taken_figure_by_figure_and_a_kvstrata_variant_is_no_pe
     assert out["vs"]["kvstrata/kv-aware@no-admission"]["pairs"] == 1  # still paired, as an ablation
 
 
+def test_every_router_is_held_to_the_per_draw_goals_against_the_best_of_the_others() -> None:
+    def row(name: str, hit: float, mean: float, p99: float) -> dict[str, object]:
+        return {"router": name, "hit_rate": hit, "ttft_ms_mean": mean, "ttft_ms_p99": p99, "errors": 0}
+
+    draws = [
+        {
+            "regime": "pressure",
+            "results": [
+                row(KVSTRATA, 0.5, 100, 400),
+                row("peer/a", 0.6, 200, 200),  # the best hit rate and p99, not the best mean
+                row("peer/b", 0.4, 50, 800),
+                row("kvstrata/kv-aware@no-admission", 0.9, 10, 10),  # an ablation: not held, not a bar
+            ],
+        },
+        {
+            "regime": "pressure",
+            "results": [
+                row(KVSTRATA, 0.7, 100, 200),  # the best on every figure
+                row("peer/a", 0.7, 150, 300),  # ties the hit rate
+                row("peer/b", 0.5, 120, 250),
+            ],
+        },
+    ]
+    routers = [KVSTRATA, "peer/a", "peer/b", "kvstrata/kv-aware@no-admission"]
+    out = pooled(draws, routers)["pressure"]["every_draw_yardstick"]
+    assert out == {
+        KVSTRATA: {"draws": 2, "hit_ge_best_other": 1, "no_worse_on_every_figure": 1},
+        "peer/a": {"draws": 2, "hit_ge_best_other": 2, "no_worse_on_every_figure": 0},
+        "peer/b": {"draws": 2, "hit_ge_best_other": 0, "no_worse_on_every_figure": 0},
+    }
+    report = render({"draws": [], "routers": routers, "pooled": pooled(draws, routers), "total_s": 0})
+    assert f"{KVSTRATA} hit ≥ in 1 of 2, no worse on every figure in 1" in report
+
+
 def test_reruns_give_the_spread_of_one_router_and_a_loss_is_weighed_against_it() -> None:
     def row(name: str, hit: float, mean: float) -> dict[str, object]:
         return {"router": name, "hit_rate": hit, "ttft_ms_mean": mean, "ttft_ms_p99": 2 * mean, "errors": 0}
