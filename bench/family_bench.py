@@ -387,7 +387,7 @@ def pooled(draws: list[dict[str, Any]], routers: list[str]) -> dict[str, Any]:
                 "hit_ge_peer_draws": sum(x >= 0 for x in hit),
             }
         # Against the best peer of each draw, figure by figure: the highest hit rate, the lowest TTFTs.
-        best_hit, best_mean, best_p99, ge_best = [], [], [], 0
+        best_hit, best_mean, best_p99 = [], [], []
         for d in chosen:
             oks = [r for r in d["results"] if _ok(r)]
             mine = next((r for r in oks if r["router"] == KVSTRATA), None)
@@ -398,12 +398,12 @@ def pooled(draws: list[dict[str, Any]], routers: list[str]) -> dict[str, Any]:
             best_hit.append(100 * (mine["hit_rate"] - best))
             best_mean.append(mine["ttft_ms_mean"] / min(r["ttft_ms_mean"] for r in peers))
             best_p99.append(mine["ttft_ms_p99"] / min(r["ttft_ms_p99"] for r in peers))
-            ge_best += mine["hit_rate"] >= best
         section["vs_best_peer_hit_points"] = paired(best_hit)
         section["vs_best_peer_ttft_mean_ratio"] = paired(best_mean)
         section["vs_best_peer_ttft_p99_ratio"] = paired(best_p99)
-        section["hit_ge_best_peer_draws"] = ge_best
-        section["every_draw_yardstick"] = _every_draw_yardstick(chosen)
+        yardstick = _every_draw_yardstick(chosen)
+        section["every_draw_yardstick"] = yardstick
+        section["hit_ge_best_peer_draws"] = yardstick.get(KVSTRATA, {}).get("hit_ge_best_other", 0)
         section["rerun_spread"] = {r: _rerun_spread(chosen, r) for r in routers if f"{r}@{RERUN}" in routers}
         section["hit_losses_beyond_rerun"] = _losses_beyond_rerun(chosen, routers)
         section["below_bound_points"] = {r: _below_bound(chosen, r) for r in routers}

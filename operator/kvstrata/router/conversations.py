@@ -223,7 +223,9 @@ class StickyConversationFilter:
         tip = t.continued_tip(req.hashes)
         return None if tip is None else t.tips[tip][0]
 
-    def filter(self, req: RouteRequest, eps: Sequence[Endpoint]) -> list[Endpoint]:
+    def filter(self, req: RouteRequest, eps: list[Endpoint]) -> list[Endpoint]:
+        """``eps`` itself (no copy on the request path) unless a follow-up's engine is among them."""
         url = self.home(req)
-        kept = [ep for ep in eps if ep.url == url] if url is not None else []
-        return kept or list(eps)
+        if url is None:
+            return eps
+        return [ep for ep in eps if ep.url == url] or eps
