@@ -407,6 +407,7 @@ def pooled(draws: list[dict[str, Any]], routers: list[str]) -> dict[str, Any]:
         section["rerun_spread"] = {r: _rerun_spread(chosen, r) for r in routers if f"{r}@{RERUN}" in routers}
         section["hit_losses_beyond_rerun"] = _losses_beyond_rerun(chosen, routers)
         section["below_bound_points"] = {r: _below_bound(chosen, r) for r in routers}
+        section["by_admission"] = _by_admission(chosen)
         section["errors"] = {
             r: sum(row.get("errors", 0) for d in chosen for row in d["results"] if row["router"] == r)
             for r in routers
@@ -440,6 +441,51 @@ def _every_draw_yardstick(chosen: list[dict[str, Any]]) -> dict[str, dict[str, i
                 and me["ttft_ms_p99"] <= min(r["ttft_ms_p99"] for r in others)
             )
     return out
+
+
+def _by_admission(chosen: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """kvstrata's requests grouped by how its admission gate let them go (``x-kvstrata-admission``:
+    direct, queued, stolen, ...), each beside the same request (conversation and turn) through the peer
+    with the lowest TTFT mean in its draw: how many, their mean TTFT, and the share of their prompt
+    tokens the engine found cached, on both routers. The draw's figures say whether kvstrata lost; this
+    says which of its requests lost it (a held request's wait, a stolen one's cold prefill)."""
+    sums: dict[str, list[float]] = {}  # kind -> [requests, ttft, peer ttft, cached, peer cached, prompt]
+    for d in chosen:
+        oks = [r for r in d["results"] if _ok(r)]
+        mine = next((r for r in oks if r["router"] == KVSTRATA), None)
+        peers = [r for r in oks if _is_peer(r["router"])]
+        if mine is None or not peers or not mine.get("per_request"):
+            continue
+        best = min(peers, key=lambda r: r["ttft_ms_mean"])
+        theirs = {
+            (q["cid"], q["turn"]): q for q in best.get("per_request") or [] if q.get("ttft_ms") is not None
+        }
+        for q in mine["per_request"]:
+            other = theirs.get((q["cid"], q["turn"]))
+            if q.get("ttft_ms") is None or other is None:
+                continue
+            kind = (q.get("router") or {}).get("admission") or "unknown"
+            s = sums.setdefault(kind, [0.0] * 6)
+            s[0] += 1
+            s[1] += q["ttft_ms"]
+            s[2] += other["ttft_ms"]
+            s[3] += q.get("cached_tokens") or 0
+            s[4] += other.get("cached_tokens") or 0
+            s[5] += q.get("prompt_tokens") or 0
+    total = sum(s[0] for s in sums.values())
+    return {
+        kind: {
+            "requests": int(n),
+            "share": n / total,
+            "ttft_ms": ttft / n,
+            "peer_ttft_ms": peer_ttft / n,
+            "cached_share": cached / prompt if prompt else 0.0,
+            "peer_cached_share": peer_cached / prompt if prompt else 0.0,
+        }
+        for kind, (n, ttft, peer_ttft, cached, peer_cached, prompt) in sorted(
+            sums.items(), key=lambda kv: -kv[1][0]
+        )
+    }
 
 
 def _below_bound(chosen: list[dict[str, Any]], router: str) -> tuple[float, float] | None:
@@ -581,6 +627,17 @@ def render(payload: dict[str, Any]) -> str:
                     f"{r} hit ≥ in {v['hit_ge_best_other']} of {v['draws']}, no worse on every figure in "
                     f"{v['no_worse_on_every_figure']}"
                     for r, v in yardstick.items()
+                )
+            )
+        kinds = sec.get("by_admission") or {}
+        if kinds:
+            lines.append(
+                "  kvstrata's requests by admission, against the same requests through the best peer (TTFT "
+                "mean ms, cached % of prompt): "
+                + "; ".join(
+                    f"{kind} {v['requests']} ({100 * v['share']:.0f} %) {v['ttft_ms']:.0f} against "
+                    f"{v['peer_ttft_ms']:.0f}, {100 * v['cached_share']:.1f} against {100 * v['peer_cached_share']:.1f}"
+                    for kind, v in kinds.items()
                 )
             )
         beyond = sec.get("hit_losses_beyond_rerun")

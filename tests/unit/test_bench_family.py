@@ -311,3 +311,81 @@ def test_a_request_record_has_its_ttft_in_ms_and_what_the_engine_found_cached() 
             "router": {"held-ms": "12"},
         },
     ]
+
+
+def test_kvstrata_requests_are_split_by_admission_beside_the_same_requests_through_the_best_peer() -> None:
+    def req(
+        cid: int, turn: int, ttft: float | None, cached: int, admission: str | None = None
+    ) -> dict[str, Any]:
+        q: dict[str, Any] = {
+            "cid": cid,
+            "turn": turn,
+            "ttft_ms": ttft,
+            "prompt_tokens": 100,
+            "cached_tokens": cached,
+        }
+        if admission is not None:
+            q["router"] = {"admission": admission}
+        return q
+
+    def row(name: str, mean: float, requests: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "router": name,
+            "hit_rate": 0.5,
+            "ttft_ms_mean": mean,
+            "ttft_ms_p99": mean,
+            "errors": 0,
+            "per_request": requests,
+        }
+
+    draw_row = {
+        "regime": "pressure",
+        "results": [
+            row(
+                KVSTRATA,
+                300,
+                [
+                    req(0, 0, 100, 50, "direct"),
+                    req(0, 1, 500, 0, "stolen"),
+                    req(1, 0, 300, 80, "direct"),
+                    req(1, 1, None, 0, "queued"),
+                ],
+            ),
+            row("peer/slow", 900, [req(0, 0, 1, 0), req(0, 1, 1, 0), req(1, 0, 1, 0), req(1, 1, 1, 0)]),
+            # the best peer by TTFT mean: the one each request is compared with
+            row(
+                "peer/fast",
+                200,
+                [req(0, 0, 200, 40), req(0, 1, 100, 60), req(1, 0, 100, 20), req(1, 1, 50, 90)],
+            ),
+        ],
+    }
+    out = pooled([draw_row], [KVSTRATA, "peer/slow", "peer/fast"])["pressure"]["by_admission"]
+    # The failed request (no TTFT) is in no group: it has no time to compare.
+    assert out == {
+        "direct": {
+            "requests": 2,
+            "share": pytest.approx(2 / 3),
+            "ttft_ms": 200.0,
+            "peer_ttft_ms": 150.0,
+            "cached_share": pytest.approx(0.65),
+            "peer_cached_share": pytest.approx(0.3),
+        },
+        "stolen": {
+            "requests": 1,
+            "share": pytest.approx(1 / 3),
+            "ttft_ms": 500.0,
+            "peer_ttft_ms": 100.0,
+            "cached_share": 0.0,
+            "peer_cached_share": pytest.approx(0.6),
+        },
+    }
+    report = render(
+        {
+            "draws": [],
+            "routers": [KVSTRATA],
+            "pooled": {"pressure": {**pooled([draw_row], [KVSTRATA])["pressure"]}},
+            "total_s": 0,
+        }
+    )
+    assert "stolen 1 (33 %) 500 against 100, 0.0 against 60.0" in report
