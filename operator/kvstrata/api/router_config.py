@@ -228,6 +228,16 @@ class AdmissionSettings(_Wire):
         "the steal evicts nothing lately asked for; a held request whose engine is out of rotation or "
         "silent moves regardless",
     )
+    # Off until its held-out rule (fifty-third session, docs/benchmarks.md). Built for family draw 1028:
+    # eight conversations opened in one burst; the engine whose first requests ended first stole the held
+    # ones and served four of the eight, and their next turns moved off it and evicted the others'.
+    steal_keeps_conversations_even: bool = Field(
+        False,
+        description="Steal a held request (stealWhenHomeHoldsNoMore) only to an engine serving at most "
+        "floor(N / engines) of the N live conversations (the stolen one counted at its home), so that a "
+        "steal never leaves one engine serving more than its share of the conversations whose next turns "
+        "will follow them; a held request whose engine is out of rotation or silent moves regardless",
+    )
     assumed_output_tokens: int = Field(
         256,
         ge=0,

@@ -156,6 +156,9 @@ class GateDeps:
     # Whether ``blocks`` more fit in the engine's pool beside every block routed there lately (the fit
     # scorer's demand, as of monotonic ``now``): a copy there evicts nothing lately asked for.
     spare_room: Callable[[Endpoint, int, float], bool] = lambda ep, blocks, now: False
+    # Whether ``ep`` serves more than its share of the live conversations, floor(N / engines) of N, as of
+    # monotonic ``now`` (False while conversations are not tracked): one more there is one too many.
+    crowded: Callable[[Endpoint, float], bool] = lambda ep, now: False
 
 
 class Gate:
@@ -521,6 +524,7 @@ class Gate:
             s.steal_when_home_holds_no_more
             and here <= home + self.deps.block_size
             and (not s.steal_only_to_spare_room or self.deps.spare_room(ep, self._added_blocks(w, ep), now))
+            and not (s.steal_keeps_conversations_even and self.deps.crowded(ep, now))
         ):
             return Admitted.STOLEN
         return Admitted.MOVED if now >= self._move_at(w, ep, here - home, now) else None

@@ -181,7 +181,10 @@ class Router:
         # Live conversations per engine: fed only for the features that read them.
         self.tracker = (
             ConversationTracker(settings.fit_window_seconds)
-            if settings.conversation_bound or settings.projected_fit or settings.sticky_conversations
+            if settings.conversation_bound
+            or settings.projected_fit
+            or settings.sticky_conversations
+            or settings.admission.steal_keeps_conversations_even
             else None
         )
         self.conversations = ConversationBoundFilter(self.tracker if settings.conversation_bound else None)
@@ -202,6 +205,7 @@ class Router:
                 commit=self.commit,
                 moved=self._moved,
                 spare_room=self._spare_room,
+                crowded=self._crowded,
             ),
             surviving=settings.surviving_match,
         )
@@ -251,6 +255,16 @@ class Router:
         such scorer, or an unknown pool: no)."""
         fit = self._scorer(FitScorer)
         return fit is not None and fit.fits(ep, now, blocks)
+
+    def _crowded(self, ep: Endpoint, now: float) -> bool:
+        """Whether ``ep`` serves more than floor(N / engines) of the N live conversations (engines in
+        rotation; False while conversations are not tracked)."""
+        tracker = self.tracker
+        if tracker is None:
+            return False
+        here = tracker.live_on(ep.url, now)
+        engines = sum(1 for e in self.pool.all() if e.healthy and not self.outlier.ejected(e))
+        return engines > 0 and here > sum(tracker.live.values()) // engines
 
     def mark_down(self, ep: Endpoint) -> None:
         """An engine that refuses connections lost its cache (or will have when it is back)."""

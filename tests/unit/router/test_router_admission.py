@@ -44,6 +44,7 @@ class World:
         self.committed: list[str] = []
         self.moved: list[str] = []
         self.spare: set[str] = set()  # engines with room beside their recent demand (moveToSpareRoom)
+        self.crowded: set[str] = set()  # engines serving more than their share of live conversations
         self.spare_asked: list[tuple[str, int]] = []
         deps = GateDeps(
             lookup=self.lookup,
@@ -56,6 +57,7 @@ class World:
             commit=lambda d, ep: self.committed.append(ep.url),
             moved=lambda d, ep: self.moved.append(ep.url),
             spare_room=self.spare_room,
+            crowded=lambda ep, now: ep.url in self.crowded,
         )
         self.gate = Gate(settings or AdmissionSettings(), max_hold_s, deps)
 
@@ -444,16 +446,48 @@ async def test_steals_only_to_spare_room_wait_where_the_thief_would_evict_what_w
     w.gate.release(busy.claim)
 
 
+@pytest.mark.parametrize("even", [False, True])
+async def test_steals_that_keep_conversations_even_wait_where_the_thief_serves_more_than_its_share(
+    even: bool,
+) -> None:
+    """stealKeepsConversationsEven: a steal commits the request's next turns to the thief, so a thief
+    already serving more than its share of the live conversations (family draw 1028: the engine whose
+    first requests ended first stole the burst's held ones and served four of eight) does not take it;
+    it waits for its own engine. Off, or to a thief within its share, it is stolen as before."""
+    w = World(10, 10, settings=AdmissionSettings(steal_keeps_conversations_even=even))
+    w.crowded.add("http://e1")
+    busy, cold = await _cold_held_while_another_engine_frees(w)
+    if even:
+        await _waits_for_its_own_engine(w, busy, cold)
+        return
+    grant = await asyncio.wait_for(cold, 1)
+    assert grant.how is Admitted.STOLEN and grant.endpoint is w.eps[1]
+    w.gate.release(busy.claim)
+
+
+async def test_steals_that_keep_conversations_even_still_go_to_a_thief_within_its_share() -> None:
+    w = World(10, 10, settings=AdmissionSettings(steal_keeps_conversations_even=True))
+    w.crowded.add("http://e0")  # the home is the crowded one: the steal evens the count
+    busy, cold = await _cold_held_while_another_engine_frees(w)
+    grant = await asyncio.wait_for(cold, 1)
+    assert grant.how is Admitted.STOLEN and grant.endpoint is w.eps[1]
+    w.gate.release(busy.claim)
+
+
+@pytest.mark.parametrize("even", [False, True])
 @pytest.mark.parametrize("spare_only", [False, True])
 @pytest.mark.parametrize("steal", [True, False])
 @pytest.mark.parametrize("fault", ["silent", "ejected or gone"])
 async def test_a_request_waiting_on_a_silent_or_lost_engine_goes_elsewhere(
-    fault: str, steal: bool, spare_only: bool
+    fault: str, steal: bool, spare_only: bool, even: bool
 ) -> None:
     w = World(10, 10)
     w.gate.settings = AdmissionSettings(
-        steal_when_home_holds_no_more=steal, steal_only_to_spare_room=spare_only
+        steal_when_home_holds_no_more=steal,
+        steal_only_to_spare_room=spare_only,
+        steal_keeps_conversations_even=even,
     )
+    w.crowded.add("http://e1")  # crowded or not, a request leaves an engine that cannot serve it
     await w.gate.admit(w.decision(hashes(1, 8), 0), 0)  # never released: the engine is wedged
     w.held["http://e0"].update(hashes(3, 8))
     warm = asyncio.ensure_future(w.gate.admit(w.decision(hashes(3, 8), 0), 0))

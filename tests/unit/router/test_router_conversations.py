@@ -243,3 +243,23 @@ async def test_a_follow_up_whose_blocks_were_evicted_goes_home_only_when_sticky(
     else:
         assert again.order[0] is other and again.reason == "prefix" and not again.sticky
     r.close()
+
+
+@pytest.mark.parametrize("on", [False, True])
+async def test_the_gate_sees_an_engine_crowded_past_its_share_of_live_conversations(on: bool) -> None:
+    """stealKeepsConversationsEven's question to the router: does an engine serve more than floor(N /
+    engines) of the N live conversations? Four conversations opened on a, one on b, none on c: a (4 of
+    5, share 1) is crowded, b (1) and c (0) are not; a conversation continued on b does not open another.
+    Off, conversations are not tracked and no engine is crowded."""
+    import time
+
+    r = _router("kv-aware", admission={"stealKeepsConversationsEven": on})
+    a, b, c = r.pool.all()
+    for user in range(4):
+        r.commit(await r.decide(_req([*range(8), 200 + user, 0, 0, 0])), a)
+    first = [*range(8), 300, 0, 0, 0]
+    r.commit(await r.decide(_req(first)), b)
+    r.commit(await r.decide(_req([*first, 5, 5, 5, 5])), b)  # its next turn: still one conversation
+    now = time.monotonic()
+    assert [r._crowded(ep, now) for ep in (a, b, c)] == ([True, False, False] if on else [False] * 3)
+    r.close()
