@@ -228,9 +228,10 @@ class AdmissionSettings(_Wire):
         "the steal evicts nothing lately asked for; a held request whose engine is out of rotation or "
         "silent moves regardless",
     )
-    # Off until its held-out rule (fifty-third session, docs/benchmarks.md). Built for family draw 1028:
-    # eight conversations opened in one burst; the engine whose first requests ended first stole the held
-    # ones and served four of the eight, and their next turns moved off it and evicted the others'.
+    # Off: it failed its rule on 14 held-out pressure draws (fifty-third session, docs/benchmarks.md): on
+    # - off hit +0.1 +- 0.7 points, TTFT mean 0.98x, p99 1.00x. Built for family draw 1028: eight
+    # conversations opened in one burst; the engine whose first requests ended first stole the held ones
+    # and served four of the eight, and their next turns moved off it and evicted the others'.
     steal_keeps_conversations_even: bool = Field(
         False,
         description="Steal a held request (stealWhenHomeHoldsNoMore) only to an engine serving at most "
