@@ -381,11 +381,6 @@ def test_kvstrata_requests_are_split_by_admission_beside_the_same_requests_throu
         },
     }
     report = render(
-        {
-            "draws": [],
-            "routers": [KVSTRATA],
-            "pooled": {"pressure": {**pooled([draw_row], [KVSTRATA])["pressure"]}},
-            "total_s": 0,
-        }
+        {"draws": [], "routers": [KVSTRATA], "pooled": pooled([draw_row], [KVSTRATA]), "total_s": 0}
     )
     assert "stolen 1 (33 %) 500 against 100, 0.0 against 60.0" in report
