@@ -360,6 +360,14 @@ def _ok(row: dict[str, Any]) -> bool:
     return "problem" not in row and row.get("hit_rate") is not None and row.get("ttft_ms_mean") is not None
 
 
+def _kvstrata_and_peers(d: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+    """A draw's kvstrata row and its peers' rows, those that ran well; None without either."""
+    oks = [r for r in d["results"] if _ok(r)]
+    mine = next((r for r in oks if r["router"] == KVSTRATA), None)
+    peers = [r for r in oks if _is_peer(r["router"])]
+    return None if mine is None or not peers else (mine, peers)
+
+
 def pooled(draws: list[dict[str, Any]], routers: list[str]) -> dict[str, Any]:
     """Per regime (and all draws): kvstrata minus each peer, paired per draw, mean ± SE; and the share
     of draws where kvstrata's hit rate ≥ the best peer's."""
@@ -389,11 +397,9 @@ def pooled(draws: list[dict[str, Any]], routers: list[str]) -> dict[str, Any]:
         # Against the best peer of each draw, figure by figure: the highest hit rate, the lowest TTFTs.
         best_hit, best_mean, best_p99 = [], [], []
         for d in chosen:
-            oks = [r for r in d["results"] if _ok(r)]
-            mine = next((r for r in oks if r["router"] == KVSTRATA), None)
-            peers = [r for r in oks if _is_peer(r["router"])]
-            if mine is None or not peers:
+            if (pair := _kvstrata_and_peers(d)) is None:
                 continue
+            mine, peers = pair
             best = max(r["hit_rate"] for r in peers)
             best_hit.append(100 * (mine["hit_rate"] - best))
             best_mean.append(mine["ttft_ms_mean"] / min(r["ttft_ms_mean"] for r in peers))
@@ -451,11 +457,9 @@ def _by_admission(chosen: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     says which of its requests lost it (a held request's wait, a stolen one's cold prefill)."""
     sums: dict[str, list[float]] = {}  # kind -> [requests, ttft, peer ttft, cached, peer cached, prompt]
     for d in chosen:
-        oks = [r for r in d["results"] if _ok(r)]
-        mine = next((r for r in oks if r["router"] == KVSTRATA), None)
-        peers = [r for r in oks if _is_peer(r["router"])]
-        if mine is None or not peers or not mine.get("per_request"):
+        if (pair := _kvstrata_and_peers(d)) is None or not pair[0].get("per_request"):
             continue
+        mine, peers = pair
         best = min(peers, key=lambda r: r["ttft_ms_mean"])
         theirs = {
             (q["cid"], q["turn"]): q for q in best.get("per_request") or [] if q.get("ttft_ms") is not None

@@ -23,6 +23,12 @@ from kvstrata.router.scoring import RouteRequest
 _ONE_WITHIN_WINDOW = math.exp(-1.0)
 
 
+def fair_share_cap(conversations: int, engines: int) -> int:
+    """The most of ``conversations`` live ones that one of ``engines`` engines may serve: floor(N / n) + 1
+    (within one conversation of even, and a tenant's next user may still join its system prompt)."""
+    return conversations // engines + 1
+
+
 @dataclass(slots=True)
 class ConversationTracker:
     window_s: float
@@ -65,6 +71,10 @@ class ConversationTracker:
     def live_on(self, url: str, now: float) -> int:
         self.expire(now)
         return self.live.get(url, 0)
+
+    def live_total(self, now: float) -> int:
+        self.expire(now)
+        return sum(self.live.values())
 
     def mostly_multi_turn(self, now: float) -> bool:
         """Lately a prompt continued a conversation (about one within the last window, at least) and at
@@ -187,7 +197,7 @@ class ConversationBoundFilter:
         if t.continued_tip(req.hashes) is not None or not t.mostly_multi_turn(req.now):
             return list(eps)
         counts = [t.live_on(ep.url, req.now) for ep in eps]
-        cap = (sum(counts) + 1) // len(eps) + 1
+        cap = fair_share_cap(sum(counts) + 1, len(eps))
         kept = [ep for ep, n in zip(eps, counts, strict=True) if n + 1 <= cap]
         return kept or list(eps)
 

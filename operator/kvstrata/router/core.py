@@ -27,6 +27,7 @@ from kvstrata.router.conversations import (
     ConversationBoundFilter,
     ConversationTracker,
     StickyConversationFilter,
+    fair_share_cap,
 )
 from kvstrata.router.decision import Decision
 from kvstrata.router.hashing import block_hashes, char_block_hashes, check_algo
@@ -198,7 +199,7 @@ class Router:
                 lookup=self.index.lookup,
                 tiers=settings.tier_weights,
                 block_size=settings.block_size,
-                usable=lambda ep: ep.healthy and not self.outlier.ejected(ep),
+                usable=self._in_rotation,
                 silent=lambda ep: not self.heard(ep, time.monotonic()),
                 endpoints=self.pool.all,
                 indexed_blocks=lambda ep: self.index.blocks_of(ep.url),
@@ -256,15 +257,18 @@ class Router:
         fit = self._scorer(FitScorer)
         return fit is not None and fit.fits(ep, now, blocks)
 
+    def _in_rotation(self, ep: Endpoint) -> bool:
+        return ep.healthy and not self.outlier.ejected(ep)
+
     def _crowded(self, ep: Endpoint, now: float) -> bool:
-        """Whether ``ep`` serves more than floor(N / engines) of the N live conversations (engines in
-        rotation; False while conversations are not tracked)."""
+        """Whether one more live conversation on ``ep`` (one counted elsewhere, moving there) would pass
+        its fair share of the N live ones over the engines in rotation (the conversation bound's cap;
+        False while conversations are not tracked)."""
         tracker = self.tracker
-        if tracker is None:
+        engines = sum(map(self._in_rotation, self.pool.all()))
+        if tracker is None or engines == 0:
             return False
-        here = tracker.live_on(ep.url, now)
-        engines = sum(1 for e in self.pool.all() if e.healthy and not self.outlier.ejected(e))
-        return engines > 0 and here > sum(tracker.live.values()) // engines
+        return tracker.live_on(ep.url, now) + 1 > fair_share_cap(tracker.live_total(now), engines)
 
     def mark_down(self, ep: Endpoint) -> None:
         """An engine that refuses connections lost its cache (or will have when it is back)."""
