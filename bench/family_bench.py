@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -414,6 +415,7 @@ def pooled(draws: list[dict[str, Any]], routers: list[str]) -> dict[str, Any]:
         section["hit_losses_beyond_rerun"] = _losses_beyond_rerun(chosen, routers)
         section["below_bound_points"] = {r: _below_bound(chosen, r) for r in routers}
         section["by_admission"] = _by_admission(chosen)
+        section["follow_ups_by_move"] = _by_move(chosen)
         section["errors"] = {
             r: sum(row.get("errors", 0) for d in chosen for row in d["results"] if row["router"] == r)
             for r in routers
@@ -449,12 +451,43 @@ def _every_draw_yardstick(chosen: list[dict[str, Any]]) -> dict[str, dict[str, i
     return out
 
 
+Request = dict[str, Any]
+# Which group a kvstrata request is counted in (None: none), given it and the draw's kvstrata requests
+# by (conversation, turn).
+Grouping = Callable[[Request, dict[tuple[int, int], Request]], str | None]
+
+
+def _admission(q: Request, _mine: dict[tuple[int, int], Request]) -> str:
+    return (q.get("router") or {}).get("admission") or "unknown"
+
+
+def _move(q: Request, mine: dict[tuple[int, int], Request]) -> str | None:
+    """A follow-up's group: whether it went to another engine than its conversation's previous turn."""
+    before = mine.get((q["cid"], q["turn"] - 1)) if q["turn"] > 0 else None
+    if before is None:
+        return None
+    here, there = ((r.get("router") or {}).get("endpoint") for r in (q, before))
+    return None if not here or not there else "stayed" if here == there else "moved"
+
+
 def _by_admission(chosen: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """kvstrata's requests grouped by how its admission gate let them go (``x-kvstrata-admission``:
-    direct, queued, stolen, ...), each beside the same request (conversation and turn) through the peer
-    with the lowest TTFT mean in its draw: how many, their mean TTFT, and the share of their prompt
-    tokens the engine found cached, on both routers. The draw's figures say whether kvstrata lost; this
-    says which of its requests lost it (a held request's wait, a stolen one's cold prefill)."""
+    direct, queued, stolen, ...). The draw's figures say whether kvstrata lost; this says which of its
+    requests lost it (a held request's wait, a stolen one's cold prefill)."""
+    return _beside_best_peer(chosen, _admission)
+
+
+def _by_move(chosen: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """kvstrata's follow-ups grouped by whether they went to the engine of their conversation's previous
+    turn (``x-kvstrata-endpoint``). The peers never move a conversation; a move trades the prefix left
+    at the old engine for a shorter wait at the new one, and this says what each side of that paid."""
+    return _beside_best_peer(chosen, _move)
+
+
+def _beside_best_peer(chosen: list[dict[str, Any]], group: Grouping) -> dict[str, dict[str, float]]:
+    """kvstrata's requests in the groups ``group`` puts them in, each beside the same request
+    (conversation and turn) through the peer with the lowest TTFT mean in its draw: how many, their
+    mean TTFT, and the share of their prompt tokens the engine found cached, on both routers."""
     sums: dict[str, list[float]] = {}  # kind -> [requests, ttft, peer ttft, cached, peer cached, prompt]
     for d in chosen:
         if (pair := _kvstrata_and_peers(d)) is None or not pair[0].get("per_request"):
@@ -464,11 +497,11 @@ def _by_admission(chosen: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
         theirs = {
             (q["cid"], q["turn"]): q for q in best.get("per_request") or [] if q.get("ttft_ms") is not None
         }
+        by_turn = {(q["cid"], q["turn"]): q for q in mine["per_request"]}
         for q in mine["per_request"]:
             other = theirs.get((q["cid"], q["turn"]))
-            if q.get("ttft_ms") is None or other is None:
+            if q.get("ttft_ms") is None or other is None or (kind := group(q, by_turn)) is None:
                 continue
-            kind = (q.get("router") or {}).get("admission") or "unknown"
             s = sums.setdefault(kind, [0.0] * 6)
             s[0] += 1
             s[1] += q["ttft_ms"]
@@ -633,17 +666,24 @@ def render(payload: dict[str, Any]) -> str:
                     for r, v in yardstick.items()
                 )
             )
-        kinds = sec.get("by_admission") or {}
-        if kinds:
-            lines.append(
-                "  kvstrata's requests by admission, against the same requests through the best peer (TTFT "
-                "mean ms, cached % of prompt): "
-                + "; ".join(
-                    f"{kind} {v['requests']} ({100 * v['share']:.0f} %) {v['ttft_ms']:.0f} against "
-                    f"{v['peer_ttft_ms']:.0f}, {100 * v['cached_share']:.1f} against {100 * v['peer_cached_share']:.1f}"
-                    for kind, v in kinds.items()
+        for key, what in (
+            ("by_admission", "kvstrata's requests by admission"),
+            (
+                "follow_ups_by_move",
+                "kvstrata's follow-ups by engine (stayed with the previous turn's or moved)",
+            ),
+        ):
+            if kinds := sec.get(key):
+                lines.append(
+                    f"  {what}, against the same requests through the best peer (TTFT mean ms, cached % of "
+                    "prompt): "
+                    + "; ".join(
+                        f"{kind} {v['requests']} ({100 * v['share']:.0f} %) {v['ttft_ms']:.0f} against "
+                        f"{v['peer_ttft_ms']:.0f}, {100 * v['cached_share']:.1f} against "
+                        f"{100 * v['peer_cached_share']:.1f}"
+                        for kind, v in kinds.items()
+                    )
                 )
-            )
         beyond = sec.get("hit_losses_beyond_rerun")
         if beyond is not None:
             lines.append(

@@ -384,3 +384,63 @@ def test_kvstrata_requests_are_split_by_admission_beside_the_same_requests_throu
         {"draws": [], "routers": [KVSTRATA], "pooled": pooled([draw_row], [KVSTRATA]), "total_s": 0}
     )
     assert "stolen 1 (33 %) 500 against 100, 0.0 against 60.0" in report
+
+
+def test_kvstrata_follow_ups_are_split_by_whether_they_left_their_conversations_engine() -> None:
+    def req(cid: int, turn: int, ttft: float, cached: int, endpoint: str | None = None) -> dict[str, Any]:
+        q: dict[str, Any] = {
+            "cid": cid,
+            "turn": turn,
+            "ttft_ms": ttft,
+            "prompt_tokens": 100,
+            "cached_tokens": cached,
+        }
+        if endpoint is not None:
+            q["router"] = {"endpoint": endpoint}
+        return q
+
+    def row(name: str, requests: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "router": name,
+            "hit_rate": 0.5,
+            "ttft_ms_mean": 100,
+            "ttft_ms_p99": 100,
+            "per_request": requests,
+        }
+
+    mine = [
+        req(0, 0, 100, 0, "a"),
+        req(0, 1, 50, 90, "a"),  # stayed
+        req(0, 2, 300, 0, "b"),  # moved: its previous turn went to a
+        req(1, 0, 100, 0, "b"),
+        req(1, 1, 400, 10, "c"),  # moved
+        req(2, 1, 70, 80, "c"),  # its previous turn is missing: in no group
+        req(3, 0, 100, 0),
+        req(3, 1, 70, 80, "a"),  # its previous turn's engine is unknown: in no group
+    ]
+    peer = [req(q["cid"], q["turn"], 200, 60) for q in mine]
+    draw_row = {"regime": "pressure", "results": [row(KVSTRATA, mine), row("peer/one", peer)]}
+    out = pooled([draw_row], [KVSTRATA, "peer/one"])["pressure"]["follow_ups_by_move"]
+    assert out == {
+        "moved": {
+            "requests": 2,
+            "share": pytest.approx(2 / 3),
+            "ttft_ms": 350.0,
+            "peer_ttft_ms": 200.0,
+            "cached_share": pytest.approx(0.05),
+            "peer_cached_share": pytest.approx(0.6),
+        },
+        "stayed": {
+            "requests": 1,
+            "share": pytest.approx(1 / 3),
+            "ttft_ms": 50.0,
+            "peer_ttft_ms": 200.0,
+            "cached_share": pytest.approx(0.9),
+            "peer_cached_share": pytest.approx(0.6),
+        },
+    }
+    report = render(
+        {"draws": [], "routers": [KVSTRATA], "pooled": pooled([draw_row], [KVSTRATA]), "total_s": 0}
+    )
+    assert "follow-ups by engine (stayed with the previous turn's or moved)" in report
+    assert "moved 2 (67 %) 350 against 200, 5.0 against 60.0" in report
