@@ -480,7 +480,7 @@ def _by_admission(chosen: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 def _by_move(chosen: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """kvstrata's follow-ups grouped by whether they went to the engine of their conversation's previous
     turn (``x-kvstrata-endpoint``). The peers never move a conversation; a move trades the prefix left
-    at the old engine for a shorter wait at the new one, and this says what each side of that paid."""
+    at the old engine for the chance of a shorter wait at the new one, and this says what each side paid."""
     return _beside_best_peer(chosen, _move)
 
 
