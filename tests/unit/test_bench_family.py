@@ -313,134 +313,109 @@ def test_a_request_record_has_its_ttft_in_ms_and_what_the_engine_found_cached() 
     ]
 
 
+def _request(cid: int, turn: int, ttft: float | None, cached: int, **router: str) -> dict[str, Any]:
+    """A request of a router's run, 100 prompt tokens; ``router``: the kvstrata headers it carries."""
+    q: dict[str, Any] = {
+        "cid": cid,
+        "turn": turn,
+        "ttft_ms": ttft,
+        "prompt_tokens": 100,
+        "cached_tokens": cached,
+    }
+    if router:
+        q["router"] = dict(router)
+    return q
+
+
+def _row(name: str, requests: list[dict[str, Any]], mean: float = 100.0) -> dict[str, Any]:
+    """A router's row of a draw, ``mean`` its TTFT mean (and p99)."""
+    return {
+        "router": name,
+        "hit_rate": 0.5,
+        "ttft_ms_mean": mean,
+        "ttft_ms_p99": mean,
+        "errors": 0,
+        "per_request": requests,
+    }
+
+
+def _report(draw_row: dict[str, Any]) -> str:
+    """The report's text for one draw, pooled."""
+    return render(
+        {"draws": [], "routers": [KVSTRATA], "pooled": pooled([draw_row], [KVSTRATA]), "total_s": 0}
+    )
+
+
+def _group(
+    n: int, share: float, ttft: float, peer_ttft: float, cached: float, peer_cached: float
+) -> dict[str, Any]:
+    """A group of a split as the report gives it (shares compared approximately)."""
+    return {
+        "requests": n,
+        "share": pytest.approx(share),
+        "ttft_ms": ttft,
+        "peer_ttft_ms": peer_ttft,
+        "cached_share": pytest.approx(cached),
+        "peer_cached_share": pytest.approx(peer_cached),
+    }
+
+
 def test_kvstrata_requests_are_split_by_admission_beside_the_same_requests_through_the_best_peer() -> None:
-    def req(
-        cid: int, turn: int, ttft: float | None, cached: int, admission: str | None = None
-    ) -> dict[str, Any]:
-        q: dict[str, Any] = {
-            "cid": cid,
-            "turn": turn,
-            "ttft_ms": ttft,
-            "prompt_tokens": 100,
-            "cached_tokens": cached,
-        }
-        if admission is not None:
-            q["router"] = {"admission": admission}
-        return q
-
-    def row(name: str, mean: float, requests: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "router": name,
-            "hit_rate": 0.5,
-            "ttft_ms_mean": mean,
-            "ttft_ms_p99": mean,
-            "errors": 0,
-            "per_request": requests,
-        }
-
     draw_row = {
         "regime": "pressure",
         "results": [
-            row(
+            _row(
                 KVSTRATA,
-                300,
                 [
-                    req(0, 0, 100, 50, "direct"),
-                    req(0, 1, 500, 0, "stolen"),
-                    req(1, 0, 300, 80, "direct"),
-                    req(1, 1, None, 0, "queued"),
+                    _request(0, 0, 100, 50, admission="direct"),
+                    _request(0, 1, 500, 0, admission="stolen"),
+                    _request(1, 0, 300, 80, admission="direct"),
+                    _request(1, 1, None, 0, admission="queued"),
                 ],
+                mean=300,
             ),
-            row("peer/slow", 900, [req(0, 0, 1, 0), req(0, 1, 1, 0), req(1, 0, 1, 0), req(1, 1, 1, 0)]),
+            _row("peer/slow", [_request(c, t, 1, 0) for c in (0, 1) for t in (0, 1)], mean=900),
             # the best peer by TTFT mean: the one each request is compared with
-            row(
+            _row(
                 "peer/fast",
-                200,
-                [req(0, 0, 200, 40), req(0, 1, 100, 60), req(1, 0, 100, 20), req(1, 1, 50, 90)],
+                [
+                    _request(0, 0, 200, 40),
+                    _request(0, 1, 100, 60),
+                    _request(1, 0, 100, 20),
+                    _request(1, 1, 50, 90),
+                ],
+                mean=200,
             ),
         ],
     }
     out = pooled([draw_row], [KVSTRATA, "peer/slow", "peer/fast"])["pressure"]["by_admission"]
     # The failed request (no TTFT) is in no group: it has no time to compare.
     assert out == {
-        "direct": {
-            "requests": 2,
-            "share": pytest.approx(2 / 3),
-            "ttft_ms": 200.0,
-            "peer_ttft_ms": 150.0,
-            "cached_share": pytest.approx(0.65),
-            "peer_cached_share": pytest.approx(0.3),
-        },
-        "stolen": {
-            "requests": 1,
-            "share": pytest.approx(1 / 3),
-            "ttft_ms": 500.0,
-            "peer_ttft_ms": 100.0,
-            "cached_share": 0.0,
-            "peer_cached_share": pytest.approx(0.6),
-        },
+        "direct": _group(2, 2 / 3, 200.0, 150.0, 0.65, 0.3),
+        "stolen": _group(1, 1 / 3, 500.0, 100.0, 0.0, 0.6),
     }
-    report = render(
-        {"draws": [], "routers": [KVSTRATA], "pooled": pooled([draw_row], [KVSTRATA]), "total_s": 0}
-    )
+    report = _report(draw_row)
     assert "stolen 1 (33 %) 500 against 100, 0.0 against 60.0" in report
 
 
 def test_kvstrata_follow_ups_are_split_by_whether_they_left_their_conversations_engine() -> None:
-    def req(cid: int, turn: int, ttft: float, cached: int, endpoint: str | None = None) -> dict[str, Any]:
-        q: dict[str, Any] = {
-            "cid": cid,
-            "turn": turn,
-            "ttft_ms": ttft,
-            "prompt_tokens": 100,
-            "cached_tokens": cached,
-        }
-        if endpoint is not None:
-            q["router"] = {"endpoint": endpoint}
-        return q
-
-    def row(name: str, requests: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "router": name,
-            "hit_rate": 0.5,
-            "ttft_ms_mean": 100,
-            "ttft_ms_p99": 100,
-            "per_request": requests,
-        }
-
     mine = [
-        req(0, 0, 100, 0, "a"),
-        req(0, 1, 50, 90, "a"),  # stayed
-        req(0, 2, 300, 0, "b"),  # moved: its previous turn went to a
-        req(1, 0, 100, 0, "b"),
-        req(1, 1, 400, 10, "c"),  # moved
-        req(2, 1, 70, 80, "c"),  # its previous turn is missing: in no group
-        req(3, 0, 100, 0),
-        req(3, 1, 70, 80, "a"),  # its previous turn's engine is unknown: in no group
+        _request(0, 0, 100, 0, endpoint="a"),
+        _request(0, 1, 50, 90, endpoint="a"),  # stayed
+        _request(0, 2, 300, 0, endpoint="b"),  # moved: its previous turn went to a
+        _request(1, 0, 100, 0, endpoint="b"),
+        _request(1, 1, 400, 10, endpoint="c"),  # moved
+        _request(2, 1, 70, 80, endpoint="c"),  # its previous turn is missing: in no group
+        _request(3, 0, 100, 0),
+        _request(3, 1, 70, 80, endpoint="a"),  # its previous turn's engine is unknown: in no group
     ]
-    peer = [req(q["cid"], q["turn"], 200, 60) for q in mine]
-    draw_row = {"regime": "pressure", "results": [row(KVSTRATA, mine), row("peer/one", peer)]}
+    peer = [_request(q["cid"], q["turn"], 200, 60) for q in mine]
+    draw_row = {"regime": "pressure", "results": [_row(KVSTRATA, mine), _row("peer/one", peer)]}
     out = pooled([draw_row], [KVSTRATA, "peer/one"])["pressure"]["follow_ups_by_move"]
     assert out == {
-        "moved": {
-            "requests": 2,
-            "share": pytest.approx(2 / 3),
-            "ttft_ms": 350.0,
-            "peer_ttft_ms": 200.0,
-            "cached_share": pytest.approx(0.05),
-            "peer_cached_share": pytest.approx(0.6),
-        },
-        "stayed": {
-            "requests": 1,
-            "share": pytest.approx(1 / 3),
-            "ttft_ms": 50.0,
-            "peer_ttft_ms": 200.0,
-            "cached_share": pytest.approx(0.9),
-            "peer_cached_share": pytest.approx(0.6),
-        },
+        "moved": _group(2, 2 / 3, 350.0, 200.0, 0.05, 0.6),
+        "stayed": _group(1, 1 / 3, 50.0, 200.0, 0.9, 0.6),
     }
-    report = render(
-        {"draws": [], "routers": [KVSTRATA], "pooled": pooled([draw_row], [KVSTRATA]), "total_s": 0}
-    )
+    report = _report(draw_row)
     assert "follow-ups by engine (stayed with the previous turn's or moved)" in report
     assert "moved 2 (67 %) 350 against 200, 5.0 against 60.0" in report
