@@ -265,10 +265,12 @@ class Router:
         its fair share of the N live ones over the engines in rotation (the conversation bound's cap;
         False while conversations are not tracked)."""
         tracker = self.tracker
-        engines = sum(map(self._in_rotation, self.pool.all()))
-        if tracker is None or engines == 0:
+        if tracker is None:
             return False
-        return tracker.live_on(ep.url, now) + 1 > fair_share_cap(tracker.live_total(now), engines)
+        engines = sum(map(self._in_rotation, self.pool.all()))
+        return engines > 0 and tracker.live_on(ep.url, now) + 1 > fair_share_cap(
+            tracker.live_total(now), engines
+        )
 
     def mark_down(self, ep: Endpoint) -> None:
         """An engine that refuses connections lost its cache (or will have when it is back)."""
