@@ -465,6 +465,96 @@ async def test_steals_that_keep_conversations_even_wait_where_the_thief_serves_m
     w.gate.release(busy.claim)
 
 
+def _forecast_world(home_ends_in_s: float | None) -> World:
+    """moveOnForecast with both engines' prefill paces known (8 blocks in 40 ms) and, unless None, e0's
+    decode pace set so that a request there ends ``home_ends_in_s`` after its first byte (32 tokens)."""
+    w = World(10, 10, settings=AdmissionSettings(move_on_forecast=True))
+    for ep in w.eps:
+        ep.pace.observe(10 * BS, 0.05)
+    if home_ends_in_s is not None:
+        w.eps[0].decode_pace.observe(32, home_ends_in_s)
+    return w
+
+
+async def _busy_home(w: World) -> Grant:
+    """e0 runs a request of 8 prompt blocks and 32 output tokens (9 blocks: the pool less its null
+    block), which has sent its first byte."""
+    busy = await w.gate.admit(w.decision(hashes(1, 8), 0), 32)
+    w.gate.first_token(busy.claim)
+    return busy
+
+
+@pytest.mark.parametrize("home_ends_in_s", [0.001, 30.0])
+async def test_on_the_forecast_a_cold_request_is_stolen_only_where_home_frees_later_than_the_steal_costs(
+    home_ends_in_s: float,
+) -> None:
+    """moveOnForecast: e1 holds no more of the cold prompt than e0, but its pool is full of another
+    tenant's cached blocks, so its prefill there (40 ms) also evicts as many (another 40 ms). Where e0's
+    request ends in 1 ms it waits for e0 (41 ms there, no eviction); where it runs 30 s more it is stolen."""
+    w = _forecast_world(home_ends_in_s)
+    w.held["http://e1"].update(hashes(7, 9))
+    busy = await _busy_home(w)
+    other = await w.gate.admit(w.decision(hashes(9, 8), 1), 0)
+    cold = asyncio.ensure_future(w.gate.admit(w.decision(hashes(2, 8), 0), 0))
+    await asyncio.sleep(0.01)
+    w.gate.release(other.claim)
+    await asyncio.sleep(0.01)
+    if home_ends_in_s < 1:
+        await _waits_for_its_own_engine(w, busy, cold)
+        return
+    grant = await asyncio.wait_for(cold, 1)
+    assert grant.how is Admitted.STOLEN and grant.endpoint is w.eps[1]
+    w.gate.release(busy.claim)
+
+
+@pytest.mark.parametrize("home_ends_in_s", [0.001, 30.0])
+async def test_on_the_forecast_a_warm_request_moves_at_once_where_its_home_frees_too_late(
+    home_ends_in_s: float,
+) -> None:
+    """moveOnForecast: e0 holds the prompt (nothing to prefill there), e1 nothing but room (40 ms of
+    prefill). Where e0's request runs 30 s more, the request moves at once, not after waiting out the
+    move's cost as rent or buy does; where it ends in 1 ms, it waits for e0."""
+    w = _forecast_world(home_ends_in_s)
+    w.held["http://e0"].update(hashes(3, 8))
+    busy = await _busy_home(w)
+    warm = asyncio.ensure_future(w.gate.admit(w.decision(hashes(3, 8), 0), 0))
+    await asyncio.sleep(0.01)
+    if home_ends_in_s < 1:
+        await _waits_for_its_own_engine(w, busy, warm)
+        return
+    grant = await asyncio.wait_for(warm, 1)
+    assert grant.how is Admitted.MOVED and grant.endpoint is w.eps[1] and w.moved == ["http://e1"]
+    assert grant.held_s < 0.04  # sooner than the 40 ms move cost rent or buy would first wait out
+    w.gate.release(busy.claim)
+
+
+async def test_on_the_forecast_before_a_decode_pace_is_known_the_steal_rule_decides() -> None:
+    w = _forecast_world(None)
+    w.held["http://e1"].update(hashes(7, 9))  # a steal the forecast would not make: see above
+    busy, cold = await _cold_held_while_another_engine_frees(w)
+    grant = await asyncio.wait_for(cold, 1)
+    assert grant.how is Admitted.STOLEN and grant.endpoint is w.eps[1]
+    w.gate.release(busy.claim)
+
+
+@pytest.mark.parametrize("ended", [True, False])
+async def test_the_decode_pace_is_learned_from_first_byte_to_end_of_requests_answered_in_full(
+    monkeypatch: pytest.MonkeyPatch, ended: bool
+) -> None:
+    clock = FrozenClock()
+    monkeypatch.setattr(admission, "time", clock)
+    w = World(100)
+    grant = await w.gate.admit(w.decision(hashes(1, 8), 0), 40)
+    clock.t += 0.3  # its prefill: not decode
+    w.gate.first_token(grant.claim)
+    clock.t += 0.2
+    w.gate.first_token(grant.claim)  # only the first byte counts
+    clock.t += 0.3
+    w.gate.release(grant.claim, ended=ended)
+    # Cut off (a failure, or a client that left), its output count says nothing of the pace.
+    assert w.eps[0].decode_pace.seconds_for(40) == (pytest.approx(0.5) if ended else None)
+
+
 async def test_steals_that_keep_conversations_even_still_go_to_a_thief_within_its_share() -> None:
     w = World(10, 10, settings=AdmissionSettings(steal_keeps_conversations_even=True))
     w.crowded.add("http://e0")  # the home is the crowded one: the steal evens the count
