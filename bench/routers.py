@@ -63,9 +63,6 @@ KVSTRATA_VARIANTS: dict[str, dict[str, str]] = {
     # (stealKeepsConversationsEven; off by default: it failed its held-out rule in the fifty-third session,
     # hit +0.1 +- 0.7 points).
     "steal-even": {"KVSTRATA_ROUTER_ADMISSION": '{"stealKeepsConversationsEven": true}'},
-    # A held request leaves its engine only where a forecast of when it would start says sooner
-    # (moveOnForecast, off by default; fifty-fifth session).
-    "forecast": {"KVSTRATA_ROUTER_ADMISSION": '{"moveOnForecast": true}'},
     # A follow-up kept on its conversation's engine by routing and by the gate (stickyConversations; off
     # by default: it failed its held-out rule in the fifty-second session, hit -0.6 +- 1.0 points).
     "sticky": {"KVSTRATA_ROUTER_STICKY_CONVERSATIONS": "true"},

@@ -239,17 +239,6 @@ class AdmissionSettings(_Wire):
         "steal never leaves one engine serving more than its share of the conversations whose next turns "
         "will follow them; a held request whose engine is out of rotation or silent moves regardless",
     )
-    # Off until measured (fifty-fifth session, docs/benchmarks.md; why it was built: router/forecast.py).
-    move_on_forecast: bool = Field(
-        False,
-        description="Instead of stealWhenHomeHoldsNoMore and the move rules: send a held request to another "
-        "engine with room only when it would have its first token sooner there, by a forecast: at its "
-        "own engine, the wait until the requests running there end (each its max_tokens after its first "
-        "token, at the engine's recent decode pace) and room frees for it and those held before it, then "
-        "its prefill; at the other, its prefill and that of the cached blocks its new blocks evict, at "
-        "that engine's recent prefill pace. A held request whose engine is out of rotation or silent "
-        "moves regardless",
-    )
     assumed_output_tokens: int = Field(
         256,
         ge=0,

@@ -22,10 +22,6 @@ home while a third engine sat idle). It is off: on held-out pressure draws it co
 6 % of mean TTFT (3.6 points without the eviction term): what a moved request adds evicts what the
 other engine's own conversations come back for. ``moveToSpareRoom`` (off by default) moves only where
 the request's blocks fit beside everything routed there lately, after its extra prefill there alone.
-With ``moveOnForecast`` (off by default) neither rule decides: a held request leaves for another engine
-with room only when a forecast says its first token comes sooner there (router/forecast.py: the wait
-until its home's running requests end, at the engine's decode pace, then its prefill there, against its
-prefill elsewhere with that of what it evicts).
 Nothing is held longer than ``maxHoldSeconds``:
 then it goes to its engine's own queue, as it would have without the gate. Cheapest-first alone
 starves a long cold prompt while cheaper follow-ups keep coming; with ``overdueAfterPrefills`` (off by
@@ -62,7 +58,6 @@ import kvstrata_native
 from kvstrata.api.router_config import AdmissionSettings, TierWeights
 from kvstrata.router.decision import Decision
 from kvstrata.router.followups import FollowUp, FollowUpLearner, NativeFollowUps
-from kvstrata.router.forecast import request_end, seconds_with_evictions, wait_for_room
 from kvstrata.router.index import PrefixMatch
 from kvstrata.router.pool import Endpoint
 from kvstrata.router.scoring import credited_blocks, uncached_tokens
@@ -112,7 +107,6 @@ class Claim:
     # Whose blocks: a prompt routed on its leading blocks is hashed whole later (Gate.rehashed).
     decision: Decision | None = None
     output: int = 0  # output tokens counted in ``blocks``
-    first_at: float = 0.0  # monotonic time its first byte came (0: not yet, or not streamed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,8 +240,6 @@ class Gate:
         if claims is not None and claim in claims:
             del claims[claim]
             now = time.monotonic()
-            if ended and claim.first_at > 0.0:
-                claim.endpoint.decode_pace.observe(claim.output, now - claim.first_at)
             window = self.settings.anticipate_seconds
             if ended and window > 0 and self._followed(claim, now):
                 self._rooms.unpin(url, claim.hashes, claim.blocks, claim.endpoint, now + window, now)
@@ -263,11 +255,6 @@ class Gate:
                 self._rooms.unpin(url, claim.hashes, claim.blocks)
         if self._held_at:
             self.pump()
-
-    def first_token(self, claim: Claim | None) -> None:
-        """``claim``'s request sent its first byte: it decodes from now (moveOnForecast reads when)."""
-        if claim is not None and claim.first_at == 0.0:
-            claim.first_at = time.monotonic()
 
     def _followed(self, claim: Claim, now: float) -> bool:
         """``claim``'s request ended well: whether its group usually sends a follow-up in the window."""
@@ -533,10 +520,6 @@ class Gate:
             return None  # a follow-up waits for its conversation's engine (stickyConversations)
         here, home = self._cost_of(w, ep), self._cost_of(w, w.home)
         s = self.settings
-        if s.move_on_forecast and (sooner := self._sooner_at(w, ep, usable, here, home, now)) is not None:
-            if not sooner:
-                return None
-            return Admitted.STOLEN if here <= home + self.deps.block_size else Admitted.MOVED
         if (
             s.steal_when_home_holds_no_more
             and here <= home + self.deps.block_size
@@ -545,49 +528,6 @@ class Gate:
         ):
             return Admitted.STOLEN
         return Admitted.MOVED if now >= self._move_at(w, ep, here - home, now) else None
-
-    def _sooner_at(
-        self, w: _Waiter, ep: Endpoint, usable: list[Endpoint], here: float, home: float, now: float
-    ) -> bool | None:
-        """moveOnForecast: whether held ``w`` would have its first token sooner at ``ep`` (prefill ``here``
-        tokens) than at its home (``home`` tokens, after the forecast wait for room there), each prefill
-        with that of the cached blocks it evicts; None where a pace or the home's pool size is unknown
-        (then the steal rule decides)."""
-        h = w.home
-        if h.kv_blocks <= 0:
-            return None
-        running: list[tuple[float, int]] = []
-        for c in self._claims.get(h.url, ()):
-            end = request_end(now, c.first_at, c.output, h.decode_pace)
-            if end is None:
-                return None
-            running.append((end, c.blocks))
-        # Those held for home that go before it (cheaper there, or as cheap and older) need room first.
-        key = (home, w.since)
-        ahead = sum(
-            o.claim_blocks
-            for o in self._weighed(self._held_at.get(h, []), usable)
-            if o is not w and (self._cost_of(o, h), o.since) < key
-        )
-        need = ahead + w.claim_blocks - self._running(h, w.decision.hashes)
-        wait = wait_for_room(now, need, h.kv_blocks - 1 - self._rooms.in_flight(h.url), running)
-        bs = self.deps.block_size
-        at_home = seconds_with_evictions(h.pace, home, h.kv_blocks - 1 - self.deps.indexed_blocks(h), bs)
-        there = seconds_with_evictions(ep.pace, here, ep.kv_blocks - 1 - self.deps.indexed_blocks(ep), bs)
-        if at_home is None or there is None:
-            return None
-        sooner = there < wait + at_home
-        log.debug(
-            "forecast prefix=%016x: %.3fs at %s (wait %.3fs + prefill %.3fs), %.3fs at %s",
-            w.decision.hashes[0] if w.decision.hashes else 0,
-            wait + at_home,
-            h.url,
-            wait,
-            at_home,
-            there,
-            ep.url,
-        )
-        return sooner
 
     def _move_at(self, w: _Waiter, ep: Endpoint, extra_tokens: float, now: float) -> float:
         """When ``w`` has waited as long as moving to ``ep`` would cost there (infinite: never).

@@ -18,29 +18,27 @@ class EndpointSpec:
     fs_janitor: str | None = None
 
 
-# Weight a pace sample keeps per newer sample: about the last five count.
+# Weight a pace sample keeps per newer sample: about the last five prefills count.
 _PACE_KEEP = 0.8
 
 
 @dataclass(slots=True)
-class Pace:
-    """Seconds per token of an engine's recent work, as decayed sums and their ratio: per uncached prompt
-    token to the first streamed byte of this router's requests there (``Endpoint.pace``: each sample's
-    fixed cost, queueing or a decode step, inflates it, so a wait weighed against it moves fewer
-    requests, not more), or per output token counted from the first byte to the end
-    (``Endpoint.decode_pace``: a request that stops before its ``max_tokens`` makes it faster)."""
+class PrefillPace:
+    """How long an engine has been taking per uncached prompt token, to the first streamed byte of this
+    router's recent requests there: decayed sums, their ratio. Each sample's fixed cost (queueing, a
+    decode step) inflates the pace, so a wait weighed against it moves fewer requests, not more."""
 
     seconds: float = 0.0
     tokens: float = 0.0
 
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens <= 0 or seconds < 0:
-            return  # a fully cached prompt says nothing about prefill speed, nor no output of decode
+            return  # a fully cached prompt says nothing about prefill speed
         self.seconds = self.seconds * _PACE_KEEP + seconds
         self.tokens = self.tokens * _PACE_KEEP + tokens
 
     def seconds_for(self, tokens: float) -> float | None:
-        """Seconds ``tokens`` more would take, or None before the first sample."""
+        """Seconds ``tokens`` more prefill would take, or None before the first sample."""
         return tokens * self.seconds / self.tokens if self.tokens > 0 else None
 
 
@@ -60,8 +58,7 @@ class Endpoint:
     scraped: bool = False
     answered_at: float = 0.0  # monotonic time of its last answered scrape (any status under 500)
     streamed_at: float = 0.0  # monotonic time it last sent a request's bytes (a stream chunk, a body)
-    pace: Pace = field(default_factory=Pace)  # prefill: per uncached prompt token
-    decode_pace: Pace = field(default_factory=Pace)  # per output token counted, after the first
+    pace: PrefillPace = field(default_factory=PrefillPace)
     extra: dict[str, object] = field(default_factory=dict)
     # The spec's URL, the endpoint's identity: a field, since a request reads it some 40 times.
     url: str = field(init=False)

@@ -437,7 +437,7 @@ class Proxy:
         t = self._start_try(call, ep)
         outcome = Outcome.DISCONNECTED
         try:
-            result, outcome = await self._exchange(call, is_last, patient, t)
+            result, outcome = await self._exchange(call, ep, is_last, patient, t.t0, t.prefill)
             return result
         except asyncio.CancelledError:
             outcome = Outcome.CLIENT_DISCONNECT
@@ -472,9 +472,9 @@ class Proxy:
             self.outlier.success(ep)
 
     async def _exchange(
-        self, call: _Call, is_last: bool, patient: bool, t: _Try
+        self, call: _Call, ep: Endpoint, is_last: bool, patient: bool, t0: float, prefill: PrefillTicket
     ) -> tuple[AttemptResult, Outcome]:
-        s, ep, t0 = self.settings, t.ep, t.t0
+        s = self.settings
         stream = call.stream
         deadline: float | None = s.upstream_timeout_seconds
         if stream:  # a patient try's deadline is set by last_try_patience
@@ -518,7 +518,7 @@ class Proxy:
             except _TooLarge:
                 return Answered(self._response_too_large(ep)), Outcome.RESPONSE_TOO_LARGE
             if stream and resp.status == 200:
-                return await self._stream(call, resp, first, t)
+                return await self._stream(call, resp, first, ep, t0, prefill)
             out = web.Response(status=resp.status, body=body, headers=_response_headers(resp))
             out.headers.update(self._decision_headers(call, ep, t0))
             if call.decision.hashes:
@@ -562,18 +562,19 @@ class Proxy:
         call: _Call,
         resp: Response,
         first: bytes,
-        t: _Try,
+        ep: Endpoint,
+        t0: float,
+        prefill: PrefillTicket,
     ) -> tuple[AttemptResult, Outcome]:
         """Relay an SSE stream whose first bytes arrived. Nothing was sent to the client before them
         (engines send headers at once), so a failure until then was still retryable.
 
         Reading from the engine and writing to the client fail differently: the first is the
         engine's fault (ejection counts it), the second the client's (it went away)."""
-        ep, t0 = t.ep, t.t0
         if not first:
             kind = FailureKind.DISCONNECTED
             return Failed(kind, f"{ep.url} ended the stream before its first byte"), Outcome.of(kind)
-        self._stream_started(call, t)
+        self._stream_started(call, ep, t0, prefill)
         out = web.StreamResponse(status=resp.status, headers=_response_headers(resp))
         out.headers.update(self._decision_headers(call, ep, t0))
         idle = self.settings.stream_idle_timeout_seconds
@@ -602,10 +603,9 @@ class Proxy:
             return Answered(out), Outcome.CLIENT_DISCONNECT
         return Answered(out), Outcome.STREAM_OK
 
-    def _stream_started(self, call: _Call, t: _Try) -> None:
-        decision, ep, t0 = call.decision, t.ep, t.t0
-        self._prefill_over(t.prefill, decision, ep, time.perf_counter() - t0)  # the first token is out
-        self.router.gate.first_token(t.claim)
+    def _stream_started(self, call: _Call, ep: Endpoint, t0: float, prefill: PrefillTicket) -> None:
+        decision = call.decision
+        self._prefill_over(prefill, decision, ep, time.perf_counter() - t0)  # the first token is out
         self.metrics.ttft.labels(ep.url).observe(time.perf_counter() - t0)
         if decision.hashes:
             self.metrics.predicted_cached_tokens.inc(decision.predicted_cached_tokens(ep, self.block_size))
@@ -679,7 +679,7 @@ class Proxy:
         """A native try's stream sent its first byte."""
         t = nt.attempt
         t.ep.streamed_at = time.monotonic()
-        self._stream_started(nt.call, t)
+        self._stream_started(nt.call, t.ep, t.t0, t.prefill)
 
     def heard(self, nt: NativeTry) -> None:
         """A native try's stream is moving (patience.py reads it)."""
