@@ -82,11 +82,36 @@ def test_paired_mean_and_standard_error() -> None:
     assert m == 2.0 and se == pytest.approx(1.0)
 
 
-def _draw_row(regime: str, mine: float, peer: float, ttft_mine: float, ttft_peer: float) -> dict[str, object]:
-    def row(name: str, hit: float, ttft: float) -> dict[str, object]:
-        return {"router": name, "hit_rate": hit, "ttft_ms_mean": ttft, "ttft_ms_p99": 2 * ttft, "errors": 0}
+def _row(
+    name: str,
+    requests: list[dict[str, Any]] | None = None,
+    *,
+    hit: float = 0.5,
+    mean: float = 100.0,
+    p99: float | None = None,
+) -> dict[str, Any]:
+    """A router's row of a draw: its hit rate, TTFT mean and p99 (the mean unless given), no errors, and
+    its requests where the test reads them."""
+    row: dict[str, Any] = {
+        "router": name,
+        "hit_rate": hit,
+        "ttft_ms_mean": mean,
+        "ttft_ms_p99": mean if p99 is None else p99,
+        "errors": 0,
+    }
+    if requests is not None:
+        row["per_request"] = requests
+    return row
 
-    return {"regime": regime, "results": [row(KVSTRATA, mine, ttft_mine), row("peer/x", peer, ttft_peer)]}
+
+def _draw_row(regime: str, mine: float, peer: float, ttft_mine: float, ttft_peer: float) -> dict[str, object]:
+    return {
+        "regime": regime,
+        "results": [
+            _row(KVSTRATA, hit=mine, mean=ttft_mine, p99=2 * ttft_mine),
+            _row("peer/x", hit=peer, mean=ttft_peer, p99=2 * ttft_peer),
+        ],
+    }
 
 
 def test_pooled_pairs_draws_per_regime() -> None:
@@ -153,16 +178,15 @@ def test_the_kept_runs_pool_and_render() -> None:
 
 
 def test_the_best_peer_is_taken_figure_by_figure_and_a_kvstrata_variant_is_no_peer() -> None:
-    def row(name: str, hit: float, mean: float, p99: float) -> dict[str, object]:
-        return {"router": name, "hit_rate": hit, "ttft_ms_mean": mean, "ttft_ms_p99": p99, "errors": 0}
-
     draw_row = {
         "regime": "pressure",
         "results": [
-            row(KVSTRATA, 0.5, 100, 400),
-            row("peer/a", 0.6, 200, 200),  # the best hit rate and p99
-            row("peer/b", 0.4, 50, 800),  # the best mean
-            row("kvstrata/kv-aware@no-admission", 0.9, 10, 10),  # an ablation: never the best peer
+            _row(KVSTRATA, hit=0.5, mean=100, p99=400),
+            _row("peer/a", hit=0.6, mean=200, p99=200),  # the best hit rate and p99
+            _row("peer/b", hit=0.4, mean=50, p99=800),  # the best mean
+            _row(
+                "kvstrata/kv-aware@no-admission", hit=0.9, mean=10, p99=10
+            ),  # an ablation: never the best peer
         ],
     }
     routers = [KVSTRATA, "peer/a", "peer/b", "kvstrata/kv-aware@no-admission"]
@@ -175,25 +199,24 @@ def test_the_best_peer_is_taken_figure_by_figure_and_a_kvstrata_variant_is_no_pe
 
 
 def test_every_router_is_held_to_the_per_draw_goals_against_the_best_of_the_others() -> None:
-    def row(name: str, hit: float, mean: float, p99: float) -> dict[str, object]:
-        return {"router": name, "hit_rate": hit, "ttft_ms_mean": mean, "ttft_ms_p99": p99, "errors": 0}
-
     draws = [
         {
             "regime": "pressure",
             "results": [
-                row(KVSTRATA, 0.5, 100, 400),
-                row("peer/a", 0.6, 200, 200),  # the best hit rate and p99, not the best mean
-                row("peer/b", 0.4, 50, 800),
-                row("kvstrata/kv-aware@no-admission", 0.9, 10, 10),  # an ablation: not held, not a bar
+                _row(KVSTRATA, hit=0.5, mean=100, p99=400),
+                _row("peer/a", hit=0.6, mean=200, p99=200),  # the best hit rate and p99, not the best mean
+                _row("peer/b", hit=0.4, mean=50, p99=800),
+                _row(
+                    "kvstrata/kv-aware@no-admission", hit=0.9, mean=10, p99=10
+                ),  # an ablation: not held, not a bar
             ],
         },
         {
             "regime": "pressure",
             "results": [
-                row(KVSTRATA, 0.7, 100, 200),  # the best on every figure
-                row("peer/a", 0.7, 150, 300),  # ties the hit rate
-                row("peer/b", 0.5, 120, 250),
+                _row(KVSTRATA, hit=0.7, mean=100, p99=200),  # the best on every figure
+                _row("peer/a", hit=0.7, mean=150, p99=300),  # ties the hit rate
+                _row("peer/b", hit=0.5, mean=120, p99=250),
             ],
         },
     ]
@@ -209,14 +232,11 @@ def test_every_router_is_held_to_the_per_draw_goals_against_the_best_of_the_othe
 
 
 def test_reruns_give_the_spread_of_one_router_and_a_loss_is_weighed_against_it() -> None:
-    def row(name: str, hit: float, mean: float) -> dict[str, object]:
-        return {"router": name, "hit_rate": hit, "ttft_ms_mean": mean, "ttft_ms_p99": 2 * mean, "errors": 0}
-
     peer, kv_again, peer_again = "peer/a", f"{KVSTRATA}@rerun", "peer/a@rerun"
     routers = [KVSTRATA, peer, kv_again, peer_again]
 
     def draw_of(hits: tuple[float, ...], means: tuple[float, ...] = (100, 100, 100, 100)) -> dict[str, Any]:
-        rows = [row(n, h, m) for n, h, m in zip(routers, hits, means, strict=True)]
+        rows = [_row(n, hit=h, mean=m, p99=2 * m) for n, h, m in zip(routers, hits, means, strict=True)]
         return {"regime": "pressure", "results": rows}
 
     draws = [
@@ -325,18 +345,6 @@ def _request(cid: int, turn: int, ttft: float | None, cached: int, **router: str
     if router:
         q["router"] = dict(router)
     return q
-
-
-def _row(name: str, requests: list[dict[str, Any]], mean: float = 100.0) -> dict[str, Any]:
-    """A router's row of a draw, ``mean`` its TTFT mean (and p99)."""
-    return {
-        "router": name,
-        "hit_rate": 0.5,
-        "ttft_ms_mean": mean,
-        "ttft_ms_p99": mean,
-        "errors": 0,
-        "per_request": requests,
-    }
 
 
 def _report(draw_row: dict[str, Any]) -> str:
