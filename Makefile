@@ -31,7 +31,10 @@ $(VENV)/.ok: pyproject.toml dev/pyproject.toml $(NATIVE_SRC)
 	$(PY) -m pip install --disable-pip-version-check -q -e '.[dev]' -e ./dev ./native
 	touch $@
 
+# The router's request path compiled by mypyc into build/compiled/ (operator/kvstrata/compiled.py says
+# why and how it loads); about a minute on two cores, then a no-op while the sources are unchanged.
 venv: $(VENV)/.ok
+	@$(PY) -m kvstrata_dev.build_compiled
 
 # vLLM (CPU build) in its own cached venv: see scripts/install-vllm.sh for why.
 vllm: $(VLLM_VENV)/.ok

@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 import kvstrata_native
+from mypy_extensions import mypyc_attr
 
 from kvstrata.api.router_config import AdmissionSettings, TierWeights
 from kvstrata.router.decision import Decision
@@ -161,6 +162,7 @@ class GateDeps:
     crowded: Callable[[Endpoint, float], bool] = lambda ep, now: False
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class Gate:
     def __init__(
         self, settings: AdmissionSettings, max_hold_s: float, deps: GateDeps, *, surviving: bool = False
@@ -170,6 +172,12 @@ class Gate:
         self.surviving_costs = surviving
         self.max_hold_s = max_hold_s
         self.deps = deps
+        # Attributes, not module globals, so that a test may set them whether or not this module is
+        # compiled (kvstrata/compiled.py: compiled code reads module globals once).
+        self.clock: Callable[[], float] = time.monotonic
+        self.recheck_s = _RECHECK_S
+        self.weighed = _WEIGHED
+        self.weighed_min = _WEIGHED_MIN
         self._claims: dict[str, dict[Claim, None]] = {}  # per endpoint URL, in order of claiming
         # The distinct blocks the claims pin per engine, alone and with the rooms kept for follow-ups,
         # and the kept rooms themselves (native/src/rooms.rs).
@@ -239,7 +247,7 @@ class Gate:
         claims = self._claims.get(url)
         if claims is not None and claim in claims:
             del claims[claim]
-            now = time.monotonic()
+            now = self.clock()
             window = self.settings.anticipate_seconds
             if ended and window > 0 and self._followed(claim, now):
                 self._rooms.unpin(url, claim.hashes, claim.blocks, claim.endpoint, now + window, now)
@@ -274,7 +282,7 @@ class Gate:
 
     def reserved_blocks(self, ep: Endpoint) -> int:
         """Blocks kept on ``ep`` for follow-ups of requests that ended there."""
-        return self._rooms.reserved(ep.url, time.monotonic())
+        return self._rooms.reserved(ep.url, self.clock())
 
     def held(self) -> int:
         return sum(map(len, self._held_at.values()))
@@ -283,7 +291,7 @@ class Gate:
         """Room for ``blocks`` more on ``ep``: always when nothing of ours runs there (nor is kept for a
         follow-up) or its pool is unknown (a request larger than the pool must still run, and the engine
         says if it cannot). ``kept``: rooms kept for follow-ups count as taken."""
-        return self._rooms.fits(ep.url, ep.kv_blocks, hashes, blocks, kept=kept, now=time.monotonic())
+        return self._rooms.fits(ep.url, ep.kv_blocks, hashes, blocks, kept=kept, now=self.clock())
 
     # --- admission -------------------------------------------------------------------------------
     async def admit(self, decision: Decision, output_tokens: int | None) -> Grant:
@@ -295,7 +303,7 @@ class Gate:
         if not self.settings.enabled or blocks is None or decision.request is None:
             return Grant(home, Admitted.UNGATED, 0.0, self.claim(home, decision, out), out)
         unkept: FollowUp | None = None
-        now = time.monotonic()
+        now = self.clock()
         if self.settings.anticipate_seconds > 0:
             follow_up = self._followups.arrived(decision.hashes, now)
             # The room its conversation's last request kept is its own: it goes before those held there.
@@ -319,9 +327,7 @@ class Gate:
             self._found(unkept, decision.matches)
             return Grant(home, Admitted.DIRECT, 0.0, self._claimed(home, decision, out, blocks), out)
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(
-            decision, home, out, blocks, time.monotonic(), loop.create_future(), follow_up=unkept
-        )
+        waiter = _Waiter(decision, home, out, blocks, self.clock(), loop.create_future(), follow_up=unkept)
         self._held_at.setdefault(home, []).append(waiter)
         self.deps.commit(decision, home)
         log.debug(
@@ -338,7 +344,7 @@ class Gate:
         self._pass_when_a_room_ends()
         try:
             while not waiter.future.done():
-                now = time.monotonic()
+                now = self.clock()
                 left = waiter.since + self.max_hold_s - now
                 if left <= 0:
                     self._grant(waiter, waiter.home, Admitted.EXPIRED)
@@ -348,7 +354,7 @@ class Gate:
                 await asyncio.wait(
                     (waiter.future,), timeout=min(left, until_move) if until_move > 0 else left
                 )
-                if not waiter.future.done() and time.monotonic() >= waiter.move_at:
+                if not waiter.future.done() and self.clock() >= waiter.move_at:
                     self.pump()
             return waiter.future.result()
         except asyncio.CancelledError:
@@ -397,7 +403,7 @@ class Gate:
         unit test, the held requests' own rechecks find the room expired."""
         if self._room_ends is not None or not self._held_at:
             return
-        now = time.monotonic()
+        now = self.clock()
         ends = self._rooms.next_end(now)
         if ends == math.inf:
             return
@@ -415,7 +421,7 @@ class Gate:
     def _recheck_later(self) -> None:
         """One look at every held request in ``_RECHECK_S``, and again after it while any is held."""
         if self._recheck is None and self._held_at:
-            self._recheck = asyncio.get_running_loop().call_later(_RECHECK_S, self._rechecked)
+            self._recheck = asyncio.get_running_loop().call_later(self.recheck_s, self._rechecked)
 
     def _rechecked(self) -> None:
         self._recheck = None
@@ -428,7 +434,7 @@ class Gate:
         self._unhold(waiter)
         if ep is not waiter.home:
             self.deps.moved(waiter.decision, ep)
-        held = time.monotonic() - waiter.since
+        held = self.clock() - waiter.since
         if waiter.follow_up is not None:
             self._found(waiter.follow_up, self.deps.lookup(waiter.decision.hashes))
         claim = self.claim(ep, waiter.decision, waiter.output)
@@ -587,7 +593,7 @@ class Gate:
             w.move_at = math.inf
             moves = self.settings.move_when_held_past_prefill or self.settings.move_to_spare_room
             if moves and not w.decision.sticky:
-                home, now = self._cost_of(w, w.home), time.monotonic()
+                home, now = self._cost_of(w, w.home), self.clock()
                 w.move_at = min(
                     (
                         self._move_at(w, ep, self._cost_of(w, ep) - home, now)
@@ -600,7 +606,7 @@ class Gate:
 
     def _weighed(self, held: list[_Waiter], usable: list[Endpoint]) -> list[_Waiter]:
         """The oldest of ``held`` (one engine's), as many as a pass weighs, weighed."""
-        each = max(_WEIGHED_MIN, _WEIGHED // max(len(self._held_at), 1))
+        each = max(self.weighed_min, self.weighed // max(len(self._held_at), 1))
         return [self._weigh(w, usable) for w in held[:each]]
 
     def _candidates(self, usable: list[Endpoint]) -> list[_Waiter]:
@@ -627,7 +633,7 @@ class Gate:
     def _send(self, usable: list[Endpoint]) -> None:
         """One pass's sending (see :meth:`pump`)."""
         self._candidates(usable)
-        now = time.monotonic()
+        now = self.clock()
         progress = True
         while progress and self._held_at:
             progress = False

@@ -20,6 +20,7 @@ from functools import partial
 from typing import Any, NamedTuple, TypeVar
 
 import aiohttp
+from mypy_extensions import mypyc_attr
 
 from kvstrata.api.router_config import RouterSettings
 from kvstrata.router.admission import Gate, GateDeps
@@ -137,6 +138,7 @@ class Hashed(NamedTuple):
     rest: asyncio.Future[tuple[int, array[int]]] | None = None
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class Router:
     def __init__(
         self,
@@ -498,8 +500,8 @@ class Router:
             except ChatTemplateError as exc:
                 log.debug("chat template failed, falling back: %s", exc)
                 return await self._fallback(req, "chat_template")
-            except Exception as exc:  # the Rust tokenizer raises plain Exceptions; never fail a request on it
-                log.warning("tokenization failed, falling back to character blocks: %s", exc)
+            except Exception as err:  # the Rust tokenizer raises plain Exceptions; never fail a request on it
+                log.warning("tokenization failed, falling back to character blocks: %s", err)
                 return await self._fallback(req, "tokenize_error")
         if (
             self.settings.remote_tokenize
@@ -550,9 +552,9 @@ class Router:
             # Transient (that engine is busy or gone): try again on the next request.
             log.debug("remote tokenize on %s failed: %s", ep.url, exc)
             return None
-        except (aiohttp.ClientError, ValueError) as exc:
+        except (aiohttp.ClientError, ValueError) as garbage:
             data = None
-            log.debug("remote tokenize on %s answered garbage: %s", ep.url, exc)
+            log.debug("remote tokenize on %s answered garbage: %s", ep.url, garbage)
         tokens = data.get("tokens") if isinstance(data, dict) else None
         if not isinstance(tokens, list):
             # Not a vLLM /tokenize (404, other server, bad body): stop paying a round trip per request.

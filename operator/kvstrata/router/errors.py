@@ -4,10 +4,19 @@ stream has started)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+
+# The proxy's name: the middleware lives here, out of the compiled modules (kvstrata/compiled.py),
+# since aiohttp marks a middleware by setting an attribute on the function.
+log = logging.getLogger("kvstrata.router.proxy")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def error_body(
@@ -33,3 +42,20 @@ def json_error(
 def sse_error(message: str, code: str) -> bytes:
     """The last event of a stream that broke after it started (the status line is long gone)."""
     return b"data: " + json.dumps(error_body(502, message, code=code)).encode() + b"\n\n"
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Errors raised outside the handlers' own checks (bad method, a bug) still reach the client in
+    the OpenAI error shape, never as a traceback or an HTML page."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return json_error(exc.status, exc.reason or "request failed", code=f"http_{exc.status}")
+    except (asyncio.CancelledError, ConnectionError):
+        raise
+    except Exception:
+        log.exception("unexpected error on %s %s", request.method, request.path)
+        return json_error(500, "internal router error (logged)", code="router_error")

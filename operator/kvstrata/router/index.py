@@ -28,6 +28,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence, Sized
 from typing import NamedTuple, Protocol
 
+from mypy_extensions import mypyc_attr
+
 from kvstrata.router.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvstrata.router.native import CPU, GPU, STORAGE, BlockTable, Prediction, Predictions
 
@@ -54,6 +56,7 @@ class PrefixIndex(Protocol):
     def __len__(self) -> int: ...
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class BlockIndex:
     """The in-memory :class:`PrefixIndex`. Not thread-safe: it lives on the event loop.
 

@@ -219,11 +219,11 @@ class NativeFront:
             except BaseException:
                 log.exception("the native HTTP front stopped")
 
-        self._thread = threading.Thread(target=serve, name="kvstrata-native-http", daemon=True)
-        self._thread.start()
+        self._server_thread = threading.Thread(target=serve, name="kvstrata-native-http", daemon=True)
+        self._server_thread.start()
 
     async def stop(self) -> None:
         self._front.stop()
         # Joined from a worker thread: the loop waits in select meanwhile, so the front's last calls
         # (requests in flight, dropped) can take the router lock.
-        await asyncio.to_thread(self._thread.join)
+        await asyncio.to_thread(self._server_thread.join)

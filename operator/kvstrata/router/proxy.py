@@ -32,7 +32,6 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -43,7 +42,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvstrata.router.admission import Claim, Grant
 from kvstrata.router.bodies import body_timeout, read_body
 from kvstrata.router.core import Decision, NoEndpoints, Router
-from kvstrata.router.errors import json_error, sse_error
+from kvstrata.router.errors import json_error, openai_errors, sse_error
 from kvstrata.router.outcomes import (
     ENGINE_FAULTS,
     UNSENT,
@@ -62,7 +61,6 @@ from kvstrata.router.scoring import NativePick
 from kvstrata.router.upstream import ConnectFailed, ConnectTimedOut, Disconnected, Response, Upstream
 
 log = logging.getLogger("kvstrata.router.proxy")
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 ROUTER_KEY: web.AppKey[Router] = web.AppKey("router", Router)
 
@@ -163,6 +161,15 @@ class _Try:
     t0: float
 
 
+@dataclass(slots=True)
+class NativeTry:
+    """A first try the native front makes, as Python's bookkeeping sees it."""
+
+    call: _Call
+    state: _TryState
+    attempt: _Try
+
+
 class Go(NamedTuple):
     """The native front makes the first try on ``url`` (``handle`` names it when it reports back)."""
 
@@ -198,15 +205,6 @@ def answer(resp: web.Response) -> Answer:
     assert isinstance(body, bytes)
     headers = [(k, v) for k, v in resp.headers.items() if k.lower() != "content-length"]
     return Answer("answer", resp.status, body, headers)
-
-
-@dataclass(slots=True)
-class NativeTry:
-    """A first try the native front makes, as Python's bookkeeping sees it."""
-
-    call: _Call
-    state: _TryState
-    attempt: _Try
 
 
 class Proxy:
@@ -265,8 +263,8 @@ class Proxy:
         session_id = request.headers.get(header) if header else None
         try:
             decision = await self.router.decide(parsed, session_id)
-        except (NoEndpoints, AllEjected) as exc:
-            return self._no_endpoints(exc)
+        except (NoEndpoints, AllEjected) as unavailable:
+            return self._no_endpoints(unavailable)
         return await self._forward(
             request, raw, decoded, decision, stream=parsed.stream, output_tokens=parsed.output_tokens()
         )
@@ -275,8 +273,8 @@ class Proxy:
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
         try:
             eps = self.router.candidates()
-        except AllEjected as exc:
-            return self._no_endpoints(exc)
+        except AllEjected as unavailable:
+            return self._no_endpoints(unavailable)
         if not eps:
             return json_error(503, "no engine endpoints are known to the router", code="no_endpoints")
         try:
@@ -503,18 +501,18 @@ class Proxy:
                         ep.streamed_at = time.monotonic()
             except ConnectTimedOut as exc:
                 return self._failed(FailureKind.CONNECT_TIMEOUT, ep, exc)
-            except ConnectFailed as exc:
+            except ConnectFailed as refused:
                 self.router.mark_down(ep)
-                return self._failed(FailureKind.CONNECT_ERROR, ep, exc)
-            except TimeoutError as exc:
+                return self._failed(FailureKind.CONNECT_ERROR, ep, refused)
+            except TimeoutError as timeout:
                 if waiter.cut:
-                    return self._failed(FailureKind.EJECTED, ep, exc)
+                    return self._failed(FailureKind.EJECTED, ep, timeout)
                 if stream:
-                    return self._failed(FailureKind.FIRST_BYTE_TIMEOUT, ep, exc)
+                    return self._failed(FailureKind.FIRST_BYTE_TIMEOUT, ep, timeout)
                 # The whole budget is spent: no time left to retry.
                 return Answered(self._response_timeout(ep)), Outcome.RESPONSE_TIMEOUT
-            except Disconnected as exc:
-                return self._failed(FailureKind.DISCONNECTED, ep, exc)
+            except Disconnected as broke:
+                return self._failed(FailureKind.DISCONNECTED, ep, broke)
             except _TooLarge:
                 return Answered(self._response_too_large(ep)), Outcome.RESPONSE_TOO_LARGE
             if stream and resp.status == 200:
@@ -656,8 +654,8 @@ class Proxy:
             return answer(self._refuse(exc))
         try:
             decision = await self.router.decide(parsed, session_id)
-        except (NoEndpoints, AllEjected) as exc:
-            return answer(self._no_endpoints(exc))
+        except (NoEndpoints, AllEjected) as unavailable:
+            return answer(self._no_endpoints(unavailable))
         grant = await self._admit(decision, parsed.output_tokens())
         call = _Call(None, raw, path, {}, decision, parsed.stream, grant, grant.claim)
         st = self._try_state(call)
@@ -800,23 +798,6 @@ class Proxy:
     async def metrics_handler(self, request: web.Request) -> web.Response:
         data = generate_latest(self.metrics.registry)
         return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
-@web.middleware
-async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Errors raised outside the handlers' own checks (bad method, a bug) still reach the client in
-    the OpenAI error shape, never as a traceback or an HTML page."""
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return json_error(exc.status, exc.reason or "request failed", code=f"http_{exc.status}")
-    except (asyncio.CancelledError, ConnectionError):
-        raise
-    except Exception:
-        log.exception("unexpected error on %s %s", request.method, request.path)
-        return json_error(500, "internal router error (logged)", code="router_error")
 
 
 async def _admin_only(request: web.Request) -> web.Response:

@@ -154,8 +154,8 @@ def parse_request(
         body = _decoder.decode(raw)
     except msgspec.DecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    except UnicodeDecodeError as exc:
-        raise BadRequest(f"request body is not valid UTF-8: {exc}", code="invalid_utf8") from None
+    except UnicodeDecodeError as undecodable:
+        raise BadRequest(f"request body is not valid UTF-8: {undecodable}", code="invalid_utf8") from None
     except RecursionError:
         raise BadRequest("request body is nested too deeply", code="json_too_deep") from None
     if not isinstance(body, dict):

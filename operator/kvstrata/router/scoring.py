@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import NamedTuple, Protocol
 
+from mypy_extensions import mypyc_attr
+
 from kvstrata.api.router_config import RouterSettings, TierWeights
 from kvstrata.router.index import PrefixMatch
 from kvstrata.router.native import Ranker, Recency
@@ -95,6 +97,7 @@ class Scorer(Protocol):
         """The reason this scorer decided ``outcome``, or None when it did not."""
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class ScorerHooks:
     """No-op hooks and no explanation: scorers without state or a reason of their own inherit these."""
 
@@ -153,6 +156,7 @@ def uncached_tokens(prompt_tokens: int | None, blocks: int, credit: float, block
     return max(prompt_tokens - credit * block_size, 1.0)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 @dataclass(frozen=True, slots=True)
 class PrefillCostScorer(ScorerHooks):
     """Prefill work ahead of this request's first token on each endpoint, in tokens (Dynamo's cost):
@@ -205,6 +209,7 @@ class PrefillCostScorer(ScorerHooks):
         return None
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 @dataclass(frozen=True, slots=True)
 class PrefixScorer(ScorerHooks):
     """Share of the prompt's blocks an endpoint already holds, each block credited by its tier
@@ -223,6 +228,7 @@ class PrefixScorer(ScorerHooks):
         return [credited_blocks(req.matches.get(ep.url, none), self.tiers) / (total * top) for ep in eps]
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 @dataclass(frozen=True, slots=True)
 class LoadScorer(ScorerHooks):
     """Fewer requests running + waiting (and in flight from this router) scores higher."""
@@ -235,6 +241,7 @@ class LoadScorer(ScorerHooks):
         return [1.0 - load / (worst + 1.0) for load in loads]
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 @dataclass(frozen=True, slots=True)
 class CacheRoomScorer(ScorerHooks):
     """A prompt no engine holds goes where the cache has most room: fewest blocks in the router's index.
@@ -260,6 +267,7 @@ class CacheRoomScorer(ScorerHooks):
         return None
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 @dataclass(frozen=True, slots=True)
 class HistoryScorer(ScorerHooks):
     """A prompt no engine holds goes back to the engine that held (and evicted) the longest part of it:
@@ -288,6 +296,7 @@ class HistoryScorer(ScorerHooks):
         return None
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 @dataclass(frozen=True, slots=True)
 class FitScorer(ScorerHooks):
     """Prefer an engine whose KV pool still holds what it was recently asked for plus this prompt.
@@ -360,6 +369,7 @@ class FitScorer(ScorerHooks):
         return Reason.FIT if decisive(outcome, self.name, weight) else None
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 @dataclass(frozen=True, slots=True)
 class RecentScorer(ScorerHooks):
     """Fewer requests sent lately scores higher: a forecast of the follow-ups an engine will get.
@@ -402,6 +412,7 @@ class RecentScorer(ScorerHooks):
         return Reason.RECENT if decisive(outcome, self.name, weight) else None
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 @dataclass(frozen=True, slots=True)
 class EvictsScorer(ScorerHooks):
     """A prompt no engine holds goes where the blocks its prefill would evict were used longest ago.
@@ -461,6 +472,7 @@ class EvictsScorer(ScorerHooks):
         return Reason.EVICTS if decisive(outcome, self.name, weight) else None
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 @dataclass(frozen=True, slots=True)
 class KvUsageScorer(ScorerHooks):
     """Free KV cache: an engine near full evicts (and preempts) sooner."""
@@ -471,6 +483,7 @@ class KvUsageScorer(ScorerHooks):
         return [1.0 - min(max(ep.kv_usage, 0.0), 1.0) for ep in eps]
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 @dataclass(frozen=True, slots=True)
 class SessionScorer(ScorerHooks):
     """Requests carrying the same session id prefer the same endpoint (rendezvous hash of the id)."""
@@ -488,6 +501,7 @@ class SessionScorer(ScorerHooks):
         return Reason.SESSION if outcome.win.scores.get(self.name) == 1.0 else None
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 @dataclass(frozen=True, slots=True)
 class BoundedLoadFilter:
     """Consistent hashing with bounded loads: no endpoint takes more than ``factor`` × its fair share
@@ -513,6 +527,7 @@ class BoundedLoadFilter:
         return Reason.BOUNDED_LOAD if any(matches.get(ep.url) for ep in dropped) else None
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 @dataclass(slots=True)
 class ShareBoundFilter:
     """An engine short of KV room that has taken more than ``factor`` × its fair share of the requests

@@ -126,8 +126,8 @@ def test_the_pinned_blocks_are_kept_as_requests_and_kept_rooms_come_and_go(
     and the longest prefix a prompt shares with a running request."""
     rng = random.Random(7)
     clock = FrozenClock()
-    monkeypatch.setattr(admission, "time", clock)
     w = World(10_000, settings=AdmissionSettings(anticipate_seconds=0.25, anticipate_only_evicted=False))
+    w.gate.clock = clock.monotonic
     monkeypatch.setattr(w.gate._followups, "expected", lambda hs: rng.random() < 0.5)
     ep = w.eps[0]
     groups = [hashes(g, 12) for g in range(4)]
@@ -178,8 +178,8 @@ def test_rooms_kept_and_never_taken_do_not_pile_up(monkeypatch: pytest.MonkeyPat
     """A kept room closes when it expires, also where nothing asks whether a prompt fits there (every
     request a follow-up taking its own room, as in an agent's loop): the rooms of the last window only."""
     clock = FrozenClock()
-    monkeypatch.setattr(admission, "time", clock)
     w = World(10_000, settings=AdmissionSettings(anticipate_seconds=0.25, anticipate_only_evicted=False))
+    w.gate.clock = clock.monotonic
     monkeypatch.setattr(w.gate._followups, "expected", lambda hs: True)
     for n in range(1000):
         w.gate.release(w.gate.claim(w.eps[0], w.decision(hashes(n % 5, 8), 0), 0), ended=True)
@@ -236,14 +236,12 @@ class FrozenClock:
         return self.t
 
 
-async def test_a_cold_prompt_held_as_long_as_its_own_prefill_goes_before_cheaper_ones(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+async def test_a_cold_prompt_held_as_long_as_its_own_prefill_goes_before_cheaper_ones() -> None:
     """Overdue: cheapest-first would keep the cold prompt waiting for as long as warm follow-ups came;
     once it has waited as long as its prefill takes at the engine's pace, it goes first."""
     clock = FrozenClock()
-    monkeypatch.setattr(admission, "time", clock)
     w = World(10, settings=AdmissionSettings(overdue_after_prefills=1.0, anticipate_seconds=0))
+    w.gate.clock = clock.monotonic
     w.eps[0].pace.observe(BS, BS * 0.002)  # 2 ms a token: 8 cold blocks 512 ms, one new block 64 ms
     running = await w.gate.admit(w.decision(hashes(1, 8), 0), 0)
     cold = asyncio.ensure_future(w.gate.admit(w.decision(hashes(2, 8), 0), 0))
@@ -505,16 +503,14 @@ async def test_nobody_is_held_longer_than_max_hold() -> None:
     assert grant.how is Admitted.EXPIRED and grant.endpoint is w.eps[0] and grant.held_s >= 0.2
 
 
-async def test_many_held_requests_cost_each_pass_and_each_quiet_second_a_bounded_number_of_lookups(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+async def test_many_held_requests_cost_each_pass_and_each_quiet_second_a_bounded_number_of_lookups() -> None:
     """Each held request used to look again on its own timer, and every look weighed every held request:
     the loop's work grew with the square of how many were held (make bench-admission). Now one timer
     looks at all of them, and a look weighs each engine's oldest few."""
-    monkeypatch.setattr(admission, "_WEIGHED", 8)  # shared by the two engines holding requests
-    monkeypatch.setattr(admission, "_WEIGHED_MIN", 1)
-    monkeypatch.setattr(admission, "_RECHECK_S", 0.1)
     w = World(10, 10)
+    w.gate.weighed = 8  # shared by the two engines holding requests
+    w.gate.weighed_min = 1
+    w.gate.recheck_s = 0.1
     lookups = 0
 
     def counted(hs: Sequence[int]) -> dict[str, PrefixMatch]:
@@ -540,14 +536,12 @@ async def test_many_held_requests_cost_each_pass_and_each_quiet_second_a_bounded
     assert w.gate.held() == 0
 
 
-async def test_past_the_weighed_few_held_requests_come_forward_in_arrival_order(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+async def test_past_the_weighed_few_held_requests_come_forward_in_arrival_order() -> None:
     """The cheapest of an engine's oldest few goes first; one further back waits until it is among them,
     and a hold still ends after maxHoldSeconds wherever it is in the line."""
-    monkeypatch.setattr(admission, "_WEIGHED", 2)
-    monkeypatch.setattr(admission, "_WEIGHED_MIN", 1)
     w = World(10)
+    w.gate.weighed = 2
+    w.gate.weighed_min = 1
     running = await w.gate.admit(w.decision(hashes(1, 8), 0), 0)
     w.held["http://e0"].update(hashes(5, 8))  # the engine holds the last one's prompt: it costs nothing
     order: list[int] = []
@@ -565,7 +559,8 @@ async def test_past_the_weighed_few_held_requests_come_forward_in_arrival_order(
     assert order == [2, 3, 5, 4]
 
     short = World(10, max_hold_s=0.2)
-    monkeypatch.setattr(admission, "_WEIGHED", 1)
+    short.gate.weighed = 1
+    short.gate.weighed_min = 1
     await short.gate.admit(short.decision(hashes(1, 8), 0), 0)
     grants = await asyncio.wait_for(
         asyncio.gather(*(short.gate.admit(short.decision(hashes(n, 8), 0), 0) for n in (2, 3, 4))), 2
@@ -585,15 +580,16 @@ class _EveryCostGate(Gate):
         return w
 
 
-async def test_costs_asked_late_in_a_pass_are_the_costs_at_its_start(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_costs_asked_late_in_a_pass_are_the_costs_at_its_start() -> None:
     """A pass costs a held request at an engine only when it asks, and what it sends meanwhile must not
     change the answer: against a gate that costs every request everywhere first, through random holds,
     releases, steals and index changes on three small pools, the same requests go to the same engines,
     the same way, in the same order."""
-    monkeypatch.setattr(admission, "_RECHECK_S", 1000.0)  # no timer between the two worlds' steps
     rng = random.Random(11)
     worlds = [World(16, 16, 16), World(16, 16, 16)]
     worlds[1].gate = _EveryCostGate(worlds[1].gate.settings, 30.0, worlds[1].gate.deps)
+    for world in worlds:
+        world.gate.recheck_s = 1000.0  # no timer between the two worlds' steps
     granted: list[list[tuple[int, str, str]]] = [[], []]
     running: list[dict[int, Claim | None]] = [{}, {}]
 

@@ -31,10 +31,23 @@ def tok() -> LocalTokenizer:
     return LocalTokenizer(ensure_tiny_model(default_tiny_model_dir()))
 
 
+class _HoldsBackRests(Router):
+    """A router whose rests wait for ``release`` once it is set (:func:`hold_back_rests`). A subclass,
+    since the router's methods cannot be replaced on an instance when it is compiled."""
+
+    release: threading.Event | None = None
+
+    def _finish(self, enc: Any, text: str, walked: Any) -> Any:
+        release = self.release
+        if release is not None and threading.current_thread().name.startswith(BACKGROUND_THREAD_NAME):
+            assert release.wait(10)  # a rest, after its decision
+        return super()._finish(enc, text, walked)
+
+
 @pytest.fixture
 def router(tok: LocalTokenizer) -> Iterator[Router]:
     settings = RouterSettings.model_validate({"model": "m", "blockSize": BLOCK, "remoteTokenize": False})
-    r = Router(settings, RouterMetrics(), tokenizer=tok)
+    r = _HoldsBackRests(settings, RouterMetrics(), tokenizer=tok)
     r.pool.replace([EndpointSpec(u) for u in URLS])
     for ep in r.pool.all():
         ep.kv_blocks = 100_000  # a known pool: the fit scorer speaks
@@ -150,16 +163,9 @@ async def test_the_next_turn_walks_what_was_hashed_after_the_decision(
 def hold_back_rests(router: Router) -> threading.Event:
     """Rests hashed on the background thread after their decision wait for the returned event; a
     request's own hashing does not."""
-    release = threading.Event()
-    real = router._finish
-
-    def held_back(enc: Any, text: str, walked: Any) -> Any:
-        if threading.current_thread().name.startswith(BACKGROUND_THREAD_NAME):  # a rest, after its decision
-            assert release.wait(10)
-        return real(enc, text, walked)
-
-    router._finish = held_back  # type: ignore[method-assign]
-    return release
+    assert isinstance(router, _HoldsBackRests)
+    router.release = threading.Event()
+    return router.release
 
 
 async def test_a_request_for_a_document_being_hashed_waits_for_that_work(
