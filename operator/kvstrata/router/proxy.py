@@ -39,6 +39,7 @@ from typing import Any, NamedTuple
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvstrata.router import COMPILED
 from kvstrata.router.admission import Claim, Grant
 from kvstrata.router.bodies import body_timeout, read_body
 from kvstrata.router.core import Decision, NoEndpoints, Router
@@ -791,6 +792,8 @@ class Proxy:
                 "resumedInPython": self.resumed,
                 # "python" when a weighted scorer has no native twin (a plugin): the ranking costs more.
                 "ranking": "native" if isinstance(router.pick, NativePick) else "python",
+                # The request path's Python compiled by mypyc, or why it runs from source.
+                "compiled": COMPILED.as_json(),
             },
         }
         return web.json_response(body)

@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+import kvstrata.router
 from kvstrata.api.router_config import RouterSettings
 from kvstrata.router.hashing import char_block_hashes
 from kvstrata.router.loop import shares_lock
@@ -593,6 +594,7 @@ async def test_the_state_says_which_plane_made_each_try(
     assert len(bad.bodies) == 1
     async with h.client.get(h.base + "/kvstrata/state") as resp:
         plane = (await resp.json())["dataPlane"]
+    assert plane.pop("compiled") == kvstrata.router.COMPILED.as_json()
     if h.svc.settings.data_plane == "native":
         assert plane == {"plane": "native", "nativeTries": 2, "resumedInPython": 1, "ranking": "native"}
     else:
