@@ -31,7 +31,7 @@ $(VENV)/.ok: pyproject.toml dev/pyproject.toml $(NATIVE_SRC)
 	$(PY) -m pip install --disable-pip-version-check -q -e '.[dev]' -e ./dev ./native
 	touch $@
 
-# The router's request path compiled by mypyc into build/compiled/ (operator/kvstrata/compiled.py says
+# The router's request path compiled by mypyc into $(VENV)/kvstrata-compiled/ (operator/kvstrata/compiled.py says
 # why and how it loads); about a minute on two cores, then a no-op while the sources are unchanged.
 venv: $(VENV)/.ok
 	@$(PY) -m kvstrata_dev.build_compiled

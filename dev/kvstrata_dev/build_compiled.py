@@ -2,7 +2,7 @@
 
 mypyc writes each extension beside its source; here it runs on a copy of the package in a temporary
 directory, so the source tree never holds an extension that would shadow an edited source. The
-extensions and a manifest of the sources' digests go to ``build/compiled/``. Nothing is done when that
+extensions and a manifest of the sources' digests go to ``kvstrata-compiled/`` in the venv. Nothing is done when that
 build is current (the loader's own check).
 """
 

@@ -4,14 +4,15 @@ Most of what a kv-aware request costs the router in CPU is the interpreter runni
 the native steps (docs/router.md, "The request path out of Python"). mypyc (part of mypy, pinned in
 pyproject.toml) compiles those typed modules to C extensions with the same semantics: the Python
 sources stay the definition, and the router runs either. `make venv` builds them
-(scripts/build_compiled.py) into ``build/compiled/`` beside the package's source tree (or
-``KVSTRATA_COMPILED_DIR``), with a manifest of each module's source digest.
+(dev/kvstrata_dev/build_compiled.py) into ``kvstrata-compiled/`` under the environment's prefix (the
+venv's: they are built for its interpreter), or ``KVSTRATA_COMPILED_DIR``, with a manifest of each
+module's source digest.
 
 :func:`install` puts a finder first on ``sys.meta_path`` that loads the extensions instead of the
 sources, all of them or none: compiled modules use each other's native classes directly, so one module
 loaded from its source beside the others would fail type checks. A source edited since the build, a
 build for another Python, or ``KVSTRATA_COMPILED=0`` leaves every module to its source (the reason is
-in :data:`STATE`, logged, and shown in ``/kvstrata/state``).
+in ``kvstrata.router.COMPILED``, logged at start-up, and shown in ``/kvstrata/state``).
 """
 
 from __future__ import annotations
@@ -34,8 +35,7 @@ from typing import Final
 # both read this list. Left out: followups.py (its native subclass overrides __new__, which mypyc does
 # not compile), incremental_native.py (a thin wrapper of the native encoder whose self-check a test
 # replaces on the class), errors.py (aiohttp marks a middleware by setting an attribute on it),
-# upstream.py (the Python plane's client; compiled, a connect timeout raised a TypeError where it raised
-# ConnectTimedOut from the TimeoutError of an `async with asyncio.timeout`), and the modules off the
+# upstream.py (the Python plane's client, off the native front's path), and the modules off the
 # request path.
 COMPILED_MODULES: Final = (
     "kvstrata.router.admission",
@@ -84,9 +84,9 @@ def digest(path: Path) -> str:
 
 
 def default_dir() -> Path:
-    """``build/compiled`` at the root of the source tree the package is imported from."""
+    """``kvstrata-compiled`` under the environment's prefix (the venv), unless ``KVSTRATA_COMPILED_DIR``."""
     env = os.environ.get(DIR_ENV)
-    return Path(env) if env else PACKAGE_ROOT.parents[1] / "build" / "compiled"
+    return Path(env) if env else Path(sys.prefix) / "kvstrata-compiled"
 
 
 def extension_suffix() -> str:
