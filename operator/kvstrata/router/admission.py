@@ -419,7 +419,7 @@ class Gate:
             self._pass_when_a_room_ends()
 
     def _recheck_later(self) -> None:
-        """One look at every held request in ``_RECHECK_S``, and again after it while any is held."""
+        """One look at every held request in ``recheck_s``, and again after it while any is held."""
         if self._recheck is None and self._held_at:
             self._recheck = asyncio.get_running_loop().call_later(self.recheck_s, self._rechecked)
 

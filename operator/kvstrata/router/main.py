@@ -180,7 +180,9 @@ async def run(
         if COMPILED.active:
             log.info("request path compiled by mypyc (%s)", COMPILED.directory)
         else:
-            log.warning("request path runs from source, at about twice its CPU: %s", COMPILED.reason)
+            log.warning(
+                "request path runs from source, at about 1.4x its CPU per request: %s", COMPILED.reason
+            )
         await stop.wait()
         log.info("shutting down")
 
