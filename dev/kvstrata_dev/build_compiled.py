@@ -25,6 +25,8 @@ from kvstrata.compiled import (
     default_dir,
     digest,
     extension_suffix,
+    manifest,
+    module_file,
     source_of,
 )
 
@@ -43,30 +45,23 @@ def build(out: Path) -> dict[str, object]:
         if done.returncode != 0:
             sys.stderr.write(done.stdout[-6000:] + done.stderr[-6000:])
             raise SystemExit(f"mypyc failed ({done.returncode})")
-        groups = [p for p in work.glob(f"*__mypyc{suffix}")]
+        groups = list(work.glob(f"*__mypyc{suffix}"))
         if len(groups) != 1:
             raise SystemExit(f"expected one shared library from mypyc, found {groups}")
         staged = out.with_name(out.name + ".new")
         shutil.rmtree(staged, ignore_errors=True)
         staged.mkdir(parents=True)
-        modules: dict[str, dict[str, str]] = {}
         for m in COMPILED_MODULES:
-            file = Path(*m.split(".")).with_suffix(suffix)
+            file = module_file(m)
             (staged / file).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(work / file, staged / file)
-            modules[m] = {"file": str(file), "sha256": digests[m]}
         group = groups[0]
         shutil.copy2(group, staged / group.name)
-        manifest: dict[str, object] = {
-            "suffix": suffix,
-            "mypy": _mypy_version(),
-            "modules": modules,
-            "group": {"module": group.name.removesuffix(suffix), "file": group.name},
-        }
-        (staged / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        built = manifest(group.name, digests, {"mypy": _mypy_version()})
+        (staged / MANIFEST).write_text(json.dumps(built, indent=1, sort_keys=True) + "\n")
     shutil.rmtree(out, ignore_errors=True)
     staged.rename(out)
-    return manifest
+    return built
 
 
 def _mypy_version() -> str:

@@ -93,6 +93,25 @@ def extension_suffix() -> str:
     return importlib.machinery.EXTENSION_SUFFIXES[0]
 
 
+def module_file(module: str) -> Path:
+    """Where a build puts ``module``'s extension, relative to its directory."""
+    return Path(*module.split(".")).with_suffix(extension_suffix())
+
+
+def manifest(
+    group_file: str, digests: dict[str, str], extra: dict[str, str] | None = None
+) -> dict[str, object]:
+    """The manifest of a build: each module's file and source digest, and the shared library's file
+    (the one layout :func:`check` reads)."""
+    suffix = extension_suffix()
+    return {
+        "suffix": suffix,
+        "modules": {m: {"file": str(module_file(m)), "sha256": d} for m, d in digests.items()},
+        "group": {"module": group_file.removesuffix(suffix), "file": group_file},
+        **(extra or {}),
+    }
+
+
 def check(directory: Path, modules: Sequence[str] = COMPILED_MODULES) -> tuple[dict[str, Path], str]:
     """The extension file of every compiled module (and of their shared library) when ``directory``
     holds a build of exactly these sources for this interpreter; else nothing, and the reason."""

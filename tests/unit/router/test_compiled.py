@@ -21,6 +21,8 @@ from kvstrata.compiled import (
     default_dir,
     digest,
     extension_suffix,
+    manifest,
+    module_file,
     source_of,
 )
 
@@ -54,23 +56,15 @@ def test_switched_off_every_module_is_its_source() -> None:
         assert _loaded_from(module, {DISABLE_ENV: "0"}) == str(source_of(module))
 
 
-def _fake_build(tmp: Path, **changes: object) -> Path:
+def _fake_build(tmp: Path) -> Path:
     """A build directory whose manifest names every module with its current digest (the files empty)."""
-    suffix = extension_suffix()
-    modules = {}
+    group = f"g__mypyc{extension_suffix()}"
     for m in COMPILED_MODULES:
-        file = Path(*m.split(".")).with_suffix(suffix)
-        (tmp / file).parent.mkdir(parents=True, exist_ok=True)
-        (tmp / file).write_bytes(b"")
-        modules[m] = {"file": str(file), "sha256": digest(source_of(m))}
-    (tmp / f"g__mypyc{suffix}").write_bytes(b"")
-    manifest = {
-        "suffix": suffix,
-        "modules": modules,
-        "group": {"module": "g__mypyc", "file": f"g__mypyc{suffix}"},
-    }
-    manifest.update(changes)
-    (tmp / MANIFEST).write_text(json.dumps(manifest))
+        (tmp / module_file(m)).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / module_file(m)).write_bytes(b"")
+    (tmp / group).write_bytes(b"")
+    built = manifest(group, {m: digest(source_of(m)) for m in COMPILED_MODULES})
+    (tmp / MANIFEST).write_text(json.dumps(built))
     return tmp
 
 
