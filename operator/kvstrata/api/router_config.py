@@ -277,6 +277,17 @@ class AdmissionSettings(_Wire):
         "uncached tokens at the engine's recent pace) goes before cheaper ones, oldest first, and may "
         "take a room kept for a follow-up; 0: cheapest first always",
     )
+    # Off until measured (fifty-seventh session, docs/benchmarks.md). Two prefills batched on one engine
+    # share its compute, so both first tokens come as late as the second's alone would; in turn the
+    # first comes sooner and the second no later. A CPU engine's prefill is compute-bound: in the kept
+    # pressure draws 1 in 5 of kvstrata's requests ran beside another's prefill on its engine, at twice
+    # the time per uncached token of those that ran alone.
+    prefill_in_turn: bool = Field(
+        False,
+        description="Hold a request while its engine computes the prefill of another request of this "
+        "router's (sent, no first token yet), so that prefills run one after another, the cheapest held "
+        "first, instead of sharing the engine's steps; a prefill of one block or less never waits",
+    )
 
 
 class RouterSettings(_Wire):

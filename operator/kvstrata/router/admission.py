@@ -34,6 +34,15 @@ held request that would evict them waits until the follow-up arrives, which then
 (*reserved*), or until the window ends. With ``anticipateOnlyEvicted`` a group keeps rooms only once
 its follow-ups have found their blocks evicted: where nothing evicts them a kept room saves no prefill.
 
+With ``prefillInTurn`` (off by default) a request also waits while its engine computes the prefill of
+another request of ours (sent, no first token yet): on a compute-bound engine two prefills batched in one
+step share it, so both first tokens come as late as the second's alone would, where in turn the first
+comes sooner and the second no later. vLLM schedules the prefills it runs first come, first served in
+chunks of its token budget, so a short prompt sent beside a long one waits for the long one's chunks
+anyway: the one that goes when a prefill ends is the engine's cheapest held request (non-preemptive
+shortest first). A prefill of one block or less never waits nor holds others back: it adds at most a
+block to a step.
+
 *Room* is this router's own count: the distinct blocks its in-flight requests pin on the engine (a
 prefix shared by several counts once), plus each one's output, against the pool size the engine reports
 (``num_gpu_blocks``, less the one vLLM keeps as its null block). Nothing is held while an engine has
@@ -108,6 +117,9 @@ class Claim:
     # Whose blocks: a prompt routed on its leading blocks is hashed whole later (Gate.rehashed).
     decision: Decision | None = None
     output: int = 0  # output tokens counted in ``blocks``
+    # Its uncached prompt tokens there while its prefill runs (prefillInTurn); -1 once its first token
+    # is out, when prefills are not taken in turn, or for a prefill of a block or less.
+    prefill: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +194,8 @@ class Gate:
         # The distinct blocks the claims pin per engine, alone and with the rooms kept for follow-ups,
         # and the kept rooms themselves (native/src/rooms.rs).
         self._rooms = kvstrata_native.Rooms()
+        # prefillInTurn: per endpoint URL, the claims whose prefill runs there.
+        self._prefilling: dict[str, dict[Claim, None]] = {}
         self._held_at: dict[Endpoint, list[_Waiter]] = {}  # held requests by home, in arrival order
         self._recheck: asyncio.TimerHandle | None = None
         self._room_ends: asyncio.TimerHandle | None = None  # see _pass_when_a_room_ends
@@ -202,19 +216,47 @@ class Gate:
             return None
         return math.ceil((decision.prompt_tokens + output) / self.deps.block_size)
 
-    def claim(self, ep: Endpoint, decision: Decision, output: int) -> Claim | None:
-        """Count a request's blocks on ``ep`` until :meth:`release` (a retry claims where it goes)."""
+    def claim(self, ep: Endpoint, decision: Decision, output: int, prefill: float = -1.0) -> Claim | None:
+        """Count a request's blocks on ``ep`` until :meth:`release` (a retry claims where it goes);
+        ``prefill``: its uncached tokens there, when known (else the decision's estimate)."""
         blocks = self.blocks(decision, output)
         if blocks is None:
             return None
         self._rooms.pin(ep.url, decision.hashes, blocks)
-        return self._claimed(ep, decision, output, blocks)
+        return self._claimed(ep, decision, output, blocks, prefill)
 
-    def _claimed(self, ep: Endpoint, decision: Decision, output: int, blocks: int) -> Claim:
-        """The claim of blocks just pinned on ``ep``."""
+    def _claimed(self, ep: Endpoint, decision: Decision, output: int, blocks: int, prefill: float) -> Claim:
+        """The claim of blocks just pinned on ``ep``; with prefillInTurn its prefill counts as running
+        there until :meth:`prefilled` or :meth:`release`."""
         c = Claim(ep, decision.hashes, blocks, decision, output)
         self._claims.setdefault(ep.url, {})[c] = None
+        if self.settings.prefill_in_turn:
+            tokens = round(prefill) if prefill >= 0 else decision.uncached_tokens(ep, self.deps.block_size)
+            if tokens > self.deps.block_size:
+                c.prefill = tokens
+                self._prefilling.setdefault(ep.url, {})[c] = None
         return c
+
+    def prefilled(self, claim: Claim | None) -> None:
+        """``claim``'s request has its first token (or its try ended): its engine may start the next
+        prefill (prefillInTurn)."""
+        if claim is None or claim.prefill < 0:
+            return
+        claim.prefill = -1
+        running = self._prefilling.get(claim.endpoint.url)
+        if running is not None:
+            running.pop(claim, None)
+        if self._held_at:
+            self.pump()
+
+    def prefill_in_turn(self, ep: Endpoint) -> int:
+        """Uncached tokens of the prefills of ours running on ``ep`` that hold its turn (prefillInTurn)."""
+        return sum(c.prefill for c in self._prefilling.get(ep.url, {}))
+
+    def in_turn(self, ep: Endpoint, prefill: float) -> bool:
+        """Whether a prefill of ``prefill`` uncached tokens may start on ``ep`` now: always, unless
+        prefillInTurn, it is longer than a block, and a request of ours computes one there."""
+        return prefill <= self.deps.block_size or not self._prefilling.get(ep.url)
 
     def rehashed(self, decision: Decision) -> None:
         """A prompt routed on its leading blocks is hashed whole: its claims and its wait count its real
@@ -247,6 +289,9 @@ class Gate:
         claims = self._claims.get(url)
         if claims is not None and claim in claims:
             del claims[claim]
+            if claim.prefill >= 0:
+                claim.prefill = -1
+                self._prefilling[url].pop(claim, None)
             now = self.clock()
             window = self.settings.anticipate_seconds
             if ended and window > 0 and self._followed(claim, now):
@@ -314,18 +359,25 @@ class Gate:
             kept_at = self._take_reservation(follow_up, now)
             if kept_at is None:
                 unkept = follow_up  # it reports, once it goes, whether its blocks outlived no kept room
-            if kept_at is home and self._rooms.pin_if_fits(
-                home.url, home.kv_blocks, decision.hashes, blocks, now, kept=False
+            if (
+                kept_at is home
+                and self._starts_now(home, decision)
+                and self._rooms.pin_if_fits(
+                    home.url, home.kv_blocks, decision.hashes, blocks, now, kept=False
+                )
             ):
                 log.debug("reserved prefix=%016x blocks=%d -> %s", decision.hashes[0], blocks, home.url)
-                return Grant(home, Admitted.RESERVED, 0.0, self._claimed(home, decision, out, blocks), out)
+                claim = self._claimed(home, decision, out, blocks, -1.0)
+                return Grant(home, Admitted.RESERVED, 0.0, claim, out)
             if kept_at is not None and self._held_at:
                 self.pump()  # routed elsewhere: the room kept for it is free
-        if not self._waiting_for(home) and self._rooms.pin_if_fits(
-            home.url, home.kv_blocks, decision.hashes, blocks, now
+        if (
+            not self._waiting_for(home)
+            and self._starts_now(home, decision)
+            and self._rooms.pin_if_fits(home.url, home.kv_blocks, decision.hashes, blocks, now)
         ):
             self._found(unkept, decision.matches)
-            return Grant(home, Admitted.DIRECT, 0.0, self._claimed(home, decision, out, blocks), out)
+            return Grant(home, Admitted.DIRECT, 0.0, self._claimed(home, decision, out, blocks, -1.0), out)
         loop = asyncio.get_running_loop()
         waiter = _Waiter(decision, home, out, blocks, self.clock(), loop.create_future(), follow_up=unkept)
         self._held_at.setdefault(home, []).append(waiter)
@@ -389,6 +441,10 @@ class Gate:
     def _waiting_for(self, ep: Endpoint) -> bool:
         return ep in self._held_at
 
+    def _starts_now(self, ep: Endpoint, decision: Decision) -> bool:
+        """:meth:`in_turn` for a request arriving for ``ep`` (its prefill as the decision estimated it)."""
+        return not self._prefilling or self.in_turn(ep, decision.uncached_tokens(ep, self.deps.block_size))
+
     def _unhold(self, waiter: _Waiter) -> None:
         mine = self._held_at[waiter.home]
         mine.remove(waiter)
@@ -437,7 +493,7 @@ class Gate:
         held = self.clock() - waiter.since
         if waiter.follow_up is not None:
             self._found(waiter.follow_up, self.deps.lookup(waiter.decision.hashes))
-        claim = self.claim(ep, waiter.decision, waiter.output)
+        claim = self.claim(ep, waiter.decision, waiter.output, waiter.keys.get(ep.url, -1.0))
         log.debug(
             "%s prefix=%016x after %.3fs -> %s (cost %.0f tokens there, %.0f at %s)",
             how,
@@ -644,7 +700,9 @@ class Gate:
                     # An overdue request takes a room kept for a follow-up: else a conversation whose
                     # turns keep rooms holds it back turn after turn.
                     kept = turn is not Admitted.OVERDUE
-                    if self.fits(ep, nxt.claim_blocks, nxt.decision.hashes, kept=kept):
+                    if self.in_turn(ep, self._cost_of(nxt, ep)) and self.fits(
+                        ep, nxt.claim_blocks, nxt.decision.hashes, kept=kept
+                    ):
                         self._grant(nxt, ep, turn)
                         progress = True
                     continue
@@ -654,6 +712,8 @@ class Gate:
                 ]
                 if movable:
                     best, how = min(movable, key=lambda m: (self._cost_of(m[0], ep), m[0].since))
-                    if self.fits(ep, best.claim_blocks, best.decision.hashes):
+                    if self.in_turn(ep, self._cost_of(best, ep)) and self.fits(
+                        ep, best.claim_blocks, best.decision.hashes
+                    ):
                         self._grant(best, ep, how)
                         progress = True

@@ -90,11 +90,12 @@ class PrefillTicket:
     """Counts a request's uncached prompt tokens in its endpoint's ``pending_prefill`` until the first
     token arrives (or the attempt ends)."""
 
-    __slots__ = ("_ep", "_tokens")
+    __slots__ = ("_ep", "_on_done", "_tokens")
 
-    def __init__(self, ep: Endpoint, tokens: int) -> None:
+    def __init__(self, ep: Endpoint, tokens: int, on_done: Callable[[], None] | None = None) -> None:
         self._ep = ep
         self._tokens = max(tokens, 0)
+        self._on_done = on_done  # told once, when the prefill ends (the admission gate's prefillInTurn)
         ep.pending_prefill += self._tokens
 
     def done(self, first_token_after_s: float | None = None) -> bool:
@@ -106,6 +107,8 @@ class PrefillTicket:
         if first_token_after_s is not None:
             self._ep.pace.observe(self._tokens, first_token_after_s)
         self._tokens = -1
+        if self._on_done is not None:
+            self._on_done()
         return True
 
 

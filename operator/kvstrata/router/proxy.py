@@ -34,6 +34,7 @@ import secrets
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, NamedTuple
 
 from aiohttp import web
@@ -454,7 +455,11 @@ class Proxy:
             self.router.gate.release(claim)
             claim = self.router.gate.claim(ep, decision, call.grant.output)
         ep.in_flight += 1
-        prefill = PrefillTicket(ep, decision.uncached_tokens(ep, self.block_size))
+        # The gate hears when the prefill ends only where it takes prefills in turn (prefillInTurn).
+        on_done = (
+            partial(self.router.gate.prefilled, claim) if claim is not None and claim.prefill >= 0 else None
+        )
+        prefill = PrefillTicket(ep, decision.uncached_tokens(ep, self.block_size), on_done)
         return _Try(ep, claim, prefill, time.perf_counter())
 
     def _end_try(self, call: _Call, t: _Try, outcome: Outcome) -> None:
@@ -764,6 +769,8 @@ class Proxy:
                 "admittedBlocks": router.gate.in_flight_blocks(ep),
                 # Kept for the follow-ups of requests that just ended there (admission.anticipateSeconds).
                 "reservedBlocks": router.gate.reserved_blocks(ep),
+                # Uncached tokens of the prefill whose turn it is there (admission.prefillInTurn), or 0.
+                "prefillInTurnTokens": router.gate.prefill_in_turn(ep),
                 "recentRequests": round(router.recent_requests(ep, now), 3),
                 "running": ep.running,
                 "waiting": ep.waiting,

@@ -955,3 +955,67 @@ async def test_a_follow_up_is_not_held_back_by_the_room_kept_for_another_convers
     cold.cancel()
     with pytest.raises(asyncio.CancelledError):
         await cold
+
+
+def _in_turn(*pools: int) -> World:
+    return World(*pools, settings=AdmissionSettings(prefill_in_turn=True))
+
+
+async def test_prefills_in_turn_the_next_waits_for_the_first_token_of_one_as_long() -> None:
+    """A pool with room for both: with prefillInTurn the second prefill of as many tokens waits for the
+    first one's first token (not its end), then goes; off, both go at once."""
+    off = World(100)
+    a = await off.gate.admit(off.decision(hashes(1, 8), 0), 0)
+    b = await off.gate.admit(off.decision(hashes(2, 8), 0), 0)
+    assert a.how is b.how is Admitted.DIRECT
+
+    w = _in_turn(100)
+    first = await w.gate.admit(w.decision(hashes(1, 8), 0), 0)
+    assert first.how is Admitted.DIRECT and first.claim is not None and first.claim.prefill == 8 * BS
+    second = asyncio.ensure_future(w.gate.admit(w.decision(hashes(2, 8), 0), 0))
+    await asyncio.sleep(0.01)
+    assert not second.done() and w.gate.held() == 1
+    w.gate.prefilled(first.claim)  # its first token is out; it still runs (decodes)
+    grant = await asyncio.wait_for(second, 1)
+    assert grant.how is Admitted.QUEUED and grant.endpoint is w.eps[0]
+    assert w.gate.in_flight_blocks(w.eps[0]) == 16  # both run: the first's blocks are still counted
+    w.gate.prefilled(first.claim)  # told twice (first token, then the try's end): once counts
+    assert grant.claim is not None and grant.claim.prefill == 8 * BS
+
+
+async def test_prefills_in_turn_the_cheapest_held_goes_next_and_a_one_block_prefill_never_waits() -> None:
+    w = _in_turn(100)
+    long_ = await w.gate.admit(w.decision(hashes(1, 8), 0), 0)
+    tiny = await w.gate.admit(w.decision(hashes(3, 1), 0), 0)  # one block: never waits
+    assert tiny.how is Admitted.DIRECT and tiny.claim is not None and tiny.claim.prefill == -1
+    older = asyncio.ensure_future(w.gate.admit(w.decision(hashes(4, 6), 0), 0))
+    await asyncio.sleep(0.01)
+    newer = asyncio.ensure_future(w.gate.admit(w.decision(hashes(5, 3), 0), 0))  # shorter, yet waits
+    await asyncio.sleep(0.01)
+    assert not older.done() and not newer.done() and w.gate.held() == 2
+    w.gate.prefilled(tiny.claim)  # a one-block prefill holds nobody back
+    await asyncio.sleep(0.01)
+    assert not older.done() and not newer.done()
+    w.gate.prefilled(long_.claim)
+    await asyncio.sleep(0.01)
+    # The 3-block prompt goes first (cheapest), the older 6-block one after it.
+    assert newer.done() and (await newer).how is Admitted.QUEUED and not older.done()
+    w.gate.release((await newer).claim)  # a try that ends before its first token frees the turn too
+    assert (await asyncio.wait_for(older, 1)).how is Admitted.QUEUED
+
+
+async def test_prefills_in_turn_an_idle_engine_takes_a_cold_prefill_waiting_for_a_busy_one() -> None:
+    w = _in_turn(100, 100)
+    busy = await w.gate.admit(w.decision(hashes(1, 8), 0), 0)
+    other = await w.gate.admit(w.decision(hashes(9, 8), 1), 0)
+    w.held["http://e0"].update(hashes(3, 8))
+    warm = asyncio.ensure_future(w.gate.admit(w.decision(array("Q", [*hashes(3, 8), 1, 2]), 0), 0))
+    cold = asyncio.ensure_future(w.gate.admit(w.decision(hashes(2, 8), 0), 0))
+    await asyncio.sleep(0.01)
+    assert not warm.done() and not cold.done()
+    w.gate.prefilled(other.claim)  # e1's prefill is over: the cold one costs it no more than e0
+    grant = await asyncio.wait_for(cold, 1)
+    assert grant.how is Admitted.STOLEN and grant.endpoint is w.eps[1]
+    assert not warm.done()  # its prefix is at e0: it waits for e0's turn
+    w.gate.prefilled(busy.claim)
+    assert (await asyncio.wait_for(warm, 1)).how is Admitted.QUEUED

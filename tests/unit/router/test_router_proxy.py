@@ -38,6 +38,9 @@ class Fake:
     runner: web.AppRunner | None = None
     url: str = ""
     release: asyncio.Event = field(default_factory=asyncio.Event)  # mode "wait": answers once set
+    # Mode "stream-gated": the i-th request's first token once firsts[i] is set, its end once ends[i] is.
+    firsts: list[asyncio.Event] = field(default_factory=list)
+    ends: list[asyncio.Event] = field(default_factory=list)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         self.bodies.append(await request.read())
@@ -46,6 +49,17 @@ class Fake:
             return web.json_response({"tokens": list(range(100)), "count": 100})
         if self.mode == "500":
             return web.json_response({"error": "boom"}, status=500)
+        if self.mode == "stream-gated":
+            first, end = asyncio.Event(), asyncio.Event()
+            self.firsts.append(first)
+            self.ends.append(end)
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)  # vLLM sends its headers at once, the first token after the prefill
+            await first.wait()
+            await resp.write(b'data: {"choices":[{"text":"a"}]}\n\n')
+            await end.wait()
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
         if self.mode == "drop" or (self.mode == "drop-once" and len(self.bodies) == 1):
             # close the connection before answering
             assert request.transport is not None
@@ -557,6 +571,45 @@ async def test_a_request_without_kv_room_is_held_then_sent_with_its_claim_given_
     assert router.gate.in_flight_blocks(ep) == 0 and router.gate.held() == 0
     metrics = await (await h.client.get(h.base + "/metrics")).text()
     assert 'kvstrata_router_admissions_total{how="queued"} 1.0' in metrics
+
+
+async def test_with_prefills_in_turn_the_next_prefill_starts_when_the_first_token_streams(
+    make_router: RouterFactory, fakes: Callable[..., Any]
+) -> None:
+    """prefillInTurn through the router, either plane: a second streamed request of as many tokens
+    reaches the engine when the first one's first token has streamed, while the first still runs."""
+    (a,) = await fakes("stream-gated")
+    h = await make_router([a.url], admission={"prefillInTurn": True})
+    router = h.svc.router
+    assert router is not None
+    (ep,) = router.pool.all()
+    ep.kv_blocks = 100  # room for both: only the turn holds the second
+    ids = [list(range(i * 1000, i * 1000 + 8 * 32)) for i in range(2)]
+    posts = [
+        asyncio.ensure_future(h.post("/v1/completions", completion(prompt=p, max_tokens=4, stream=True)))
+        for p in ids
+    ]
+    for _ in range(50):
+        if router.gate.held() == 1:
+            break
+        await asyncio.sleep(0.02)
+    assert len(a.bodies) == 1 and router.gate.held() == 1
+    async with h.client.get(h.base + "/kvstrata/state") as resp:
+        state = await resp.json()
+    assert state["endpoints"][a.url]["prefillInTurnTokens"] == 8 * 32 and state["heldRequests"] == 1
+    a.firsts[0].set()  # the first request's first token
+    for _ in range(100):
+        if len(a.bodies) == 2:
+            break
+        await asyncio.sleep(0.02)
+    assert len(a.bodies) == 2 and router.gate.held() == 0 and not posts[0].done()
+    for events in (a.firsts, a.ends):
+        for e in events:
+            e.set()
+    (s1, h1, _), (s2, h2, _) = await asyncio.wait_for(asyncio.gather(*posts), 5)
+    assert (s1, h1["x-kvstrata-admission"]) == (200, "direct")
+    assert (s2, h2["x-kvstrata-admission"]) == (200, "queued")
+    assert router.gate.in_flight_blocks(ep) == 0 and router.gate.held() == 0
 
 
 async def test_a_client_that_leaves_while_held_gives_its_place_back(
