@@ -383,12 +383,14 @@ class Gate:
         self._held_at.setdefault(home, []).append(waiter)
         self.deps.commit(decision, home)
         log.debug(
-            "hold prefix=%016x blocks=%d at %s: %d blocks of %d in flight there, %d held",
+            "hold prefix=%016x blocks=%d at %s: %d blocks of %d in flight there, %d prefill tokens in turn, "
+            "%d held",
             decision.hashes[0] if decision.hashes else 0,
             blocks,
             home.url,
             self.in_flight_blocks(home),
             home.kv_blocks,
+            self.prefill_in_turn(home),
             self.held(),
         )
         self.pump()
