@@ -277,11 +277,11 @@ class AdmissionSettings(_Wire):
         "uncached tokens at the engine's recent pace) goes before cheaper ones, oldest first, and may "
         "take a room kept for a follow-up; 0: cheapest first always",
     )
-    # Off until measured (fifty-seventh session, docs/benchmarks.md). Two prefills batched on one engine
-    # share its compute, so both first tokens come as late as the second's alone would; in turn the
-    # first comes sooner and the second no later. A CPU engine's prefill is compute-bound: in the kept
-    # pressure draws 1 in 5 of kvstrata's requests ran beside another's prefill on its engine, at twice
-    # the time per uncached token of those that ran alone.
+    # Off: it failed its rule on 14 held-out pressure draws (fifty-seventh session, docs/benchmarks.md):
+    # on / off TTFT mean 1.03 +- 0.04x, hit -1.5 +- 1.0 points, p99 0.88x. Built because two prefills
+    # batched on one engine share its compute, so both first tokens come as late as the second's alone
+    # would (in the kept pressure draws 1 in 5 of kvstrata's requests ran beside another's prefill on its
+    # engine, at twice the time per uncached token); held for a turn, a request waited about as long.
     prefill_in_turn: bool = Field(
         False,
         description="Hold a request while its engine computes the prefill of another request of this "
