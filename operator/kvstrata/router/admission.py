@@ -225,9 +225,12 @@ class Gate:
         self._rooms.pin(ep.url, decision.hashes, blocks)
         return self._claimed(ep, decision, output, blocks, prefill)
 
-    def _claimed(self, ep: Endpoint, decision: Decision, output: int, blocks: int, prefill: float) -> Claim:
-        """The claim of blocks just pinned on ``ep``; with prefillInTurn its prefill counts as running
-        there until :meth:`prefilled` or :meth:`release`."""
+    def _claimed(
+        self, ep: Endpoint, decision: Decision, output: int, blocks: int, prefill: float = -1.0
+    ) -> Claim:
+        """The claim of blocks just pinned on ``ep``; with prefillInTurn its prefill (``prefill`` uncached
+        tokens, else the decision's estimate) counts as running there until :meth:`prefilled` or
+        :meth:`release`."""
         c = Claim(ep, decision.hashes, blocks, decision, output)
         self._claims.setdefault(ep.url, {})[c] = None
         if self.settings.prefill_in_turn:
@@ -367,8 +370,7 @@ class Gate:
                 )
             ):
                 log.debug("reserved prefix=%016x blocks=%d -> %s", decision.hashes[0], blocks, home.url)
-                claim = self._claimed(home, decision, out, blocks, -1.0)
-                return Grant(home, Admitted.RESERVED, 0.0, claim, out)
+                return Grant(home, Admitted.RESERVED, 0.0, self._claimed(home, decision, out, blocks), out)
             if kept_at is not None and self._held_at:
                 self.pump()  # routed elsewhere: the room kept for it is free
         if (
@@ -377,7 +379,7 @@ class Gate:
             and self._rooms.pin_if_fits(home.url, home.kv_blocks, decision.hashes, blocks, now)
         ):
             self._found(unkept, decision.matches)
-            return Grant(home, Admitted.DIRECT, 0.0, self._claimed(home, decision, out, blocks, -1.0), out)
+            return Grant(home, Admitted.DIRECT, 0.0, self._claimed(home, decision, out, blocks), out)
         loop = asyncio.get_running_loop()
         waiter = _Waiter(decision, home, out, blocks, self.clock(), loop.create_future(), follow_up=unkept)
         self._held_at.setdefault(home, []).append(waiter)
